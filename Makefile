@@ -1,0 +1,32 @@
+# `make run` and `make test` each do all the set-up they need on a fresh machine.
+SHELL := /bin/bash
+PY := .venv/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup run test lint typecheck pytest bench clean
+
+setup:
+	@bash scripts/setup.sh
+
+run: setup
+	.venv/bin/omniloop rollout examples/calculator/config.yaml
+
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+typecheck: setup
+	.venv/bin/mypy
+
+pytest: setup
+	bash scripts/with-services.sh .venv/bin/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck pytest
+
+bench: setup
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
+
+clean:
+	rm -rf .venv .cache .pytest_cache .mypy_cache .ruff_cache

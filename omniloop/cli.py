@@ -1,0 +1,27 @@
+"""The `omniloop` command line: one typer app, one sub-app per component."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="omniloop",
+    help="Agentic, multi-turn, omni-modal RL post-training.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    # Sub-apps live next to the component they drive; importing them here keeps start-up cheap
+    # for commands that do not need torch.
+    from omniloop.inference.cli import app as engine_app
+    from omniloop.platform.cli import register as register_platform
+    from omniloop.sandboxes.cli import app as sandbox_app
+
+    app.add_typer(sandbox_app, name="sandbox", help="Run commands in tool sandboxes.")
+    app.add_typer(engine_app, name="engine", help="Serve a model with the CPU inference engine.")
+    register_platform(app)
+
+
+_register()

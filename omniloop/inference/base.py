@@ -1,0 +1,60 @@
+"""The engine boundary: what rollout code may ask of an inference engine.
+
+Field names follow SGLang's native API (`/generate` with `input_ids` and `sampling_params`), so
+the same client talks to real SGLang on GPUs and to omniloop's CPU engine elsewhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingParams(BaseModel):
+    """Sampling options, with SGLang's `sampling_params` field names."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_new_tokens: int = Field(default=256, ge=0)
+    """Most tokens to sample in one call."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """0 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 for all."""
+    stop: list[str] | None = None
+    """Stop when the output ends with one of these strings."""
+    stop_token_ids: list[int] | None = None
+    """Stop when one of these tokens is sampled (it is kept in the output)."""
+    seed: int | None = None
+    """Per-request sampling seed (engine-specific name `sampling_seed` on SGLang)."""
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class GenerateOutput(BaseModel):
+    """The engine's answer to one `/generate` prompt, reduced to what rollout needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    output_ids: list[int]
+    """Sampled token ids, verbatim, including a matched stop token."""
+    output_logprobs: list[float]
+    """Logprob of each sampled token under the sampling weights."""
+    finish_reason: FinishReason
+    """`stop` (stop token or string), `length` (max_new_tokens or context), `abort`."""
+    weight_version: int
+    """The weight version that sampled these tokens."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Engine(Protocol):
+    """What rollout code may ask of an engine. `EngineClient` is the implementation."""
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
+        """Sample a continuation of `input_ids`; raise `EngineError` if the engine fails."""
+        ...
