@@ -1,0 +1,55 @@
+"""Typed sandbox configuration shared by every backend (the default run profile)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from omniloop.config import StrictModel
+
+
+class SandboxLimits(StrictModel):
+    """Resource limits of one sandbox. Defaults follow SANDBOX-CHECKLIST.md's run profile."""
+
+    timeout: float = Field(default=30.0, gt=0)
+    """Default wall-clock seconds for one `exec` (a call may pass its own)."""
+    idle_timeout: float | None = Field(default=None, gt=0)
+    """Kill a command that prints nothing for this many seconds; None disables it."""
+    kill_grace: float = Field(default=1.0, ge=0)
+    """Seconds between SIGTERM and SIGKILL when a command is stopped."""
+    memory_mb: int = Field(default=2048, gt=0)
+    """Memory limit of the sandbox (RAM + swap)."""
+    pids: int = Field(default=256, gt=0)
+    """Most processes/threads alive at once inside the sandbox."""
+    cpus: float = Field(default=1.0, gt=0)
+    """CPU share (Docker `--cpus`)."""
+    nofile: int = Field(default=1024, gt=0)
+    """Most open file descriptors per process."""
+    file_size_mb: int = Field(default=1024, gt=0)
+    """Largest single file a process may write."""
+    workspace_mb: int = Field(default=1024, gt=0)
+    """Size of the writable workspace."""
+    tmp_mb: int = Field(default=512, gt=0)
+    """Size of the `/tmp` tmpfs."""
+    output_bytes: int = Field(default=64 * 1024, ge=2)
+    """Cap on captured stdout and on stderr, each kept as head + tail."""
+    ttl: float = Field(default=3600.0, gt=0)
+    """Seconds after creation when the reaper may remove the sandbox whatever its state."""
+
+
+class SandboxConfig(StrictModel):
+    """Which backend isolates tools, and how."""
+
+    backend: Literal["auto", "docker", "gvisor", "bwrap"] = "auto"
+    """`auto`: `docker` when a Docker daemon is reachable, else `bwrap`."""
+    image: str = "omniloop-sandbox:latest"
+    """Container image for the `docker` and `gvisor` backends."""
+    limits: SandboxLimits = Field(default_factory=SandboxLimits)
+    """Resource limits."""
+    pool_size: int = Field(default=4, ge=0)
+    """Warm sandboxes kept ready per image; 0 creates on demand."""
+    workdir: str = "/workspace"
+    """The writable workspace inside the sandbox; tools run there."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment variables for every command (the host environment is never passed)."""
