@@ -99,3 +99,38 @@ def load_config(model: type[M], path: str | Path | None, overrides: list[str] | 
 def dump_config(config: BaseModel) -> str:
     """The resolved configuration as YAML, for printing and saving with a run."""
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def import_object(spec: str, base_dir: Path | None = None) -> Any:
+    """Resolve `package.module:attr` or `path/to/file.py:attr` (relative to `base_dir`)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    module_part, sep, attr = spec.partition(":")
+    if not sep or not attr:
+        raise ConfigError(f"{spec!r} is not of the form module:attribute or file.py:attribute")
+    if module_part.endswith(".py"):
+        path = Path(module_part)
+        if not path.is_absolute() and base_dir is not None:
+            path = base_dir / path
+        if not path.is_file():
+            raise ConfigError(f"{spec!r}: file {str(path)!r} does not exist")
+        name = f"omniloop_user_{abs(hash(str(path.resolve())))}"
+        module = sys.modules.get(name)
+        if module is None:
+            file_spec = importlib.util.spec_from_file_location(name, path)
+            if file_spec is None or file_spec.loader is None:
+                raise ConfigError(f"{spec!r}: cannot load {str(path)!r} as Python")
+            module = importlib.util.module_from_spec(file_spec)
+            sys.modules[name] = module
+            file_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except ImportError as err:
+            raise ConfigError(f"{spec!r}: cannot import {module_part!r}: {err}") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{spec!r}: {module_part!r} has no attribute {attr!r}") from None

@@ -196,7 +196,9 @@ class TrajectoryBuilder:
         self.rollout_logprobs.extend([0.0] * len(ids))
         self.weight_version.extend([-1] * len(ids))
 
-    def build(self, meta: TrajectoryMeta, multimodal: list[dict[str, Any]] | None = None) -> Trajectory:
+    def build(
+        self, meta: TrajectoryMeta, multimodal: list[dict[str, Any]] | None = None
+    ) -> Trajectory:
         """Freeze into a `Trajectory` whose id is derived from the meta's ids."""
         traj = Trajectory(
             id=trajectory_id(meta.run_id, meta.episode_id, meta.attempt, meta.segment),

@@ -1,0 +1,190 @@
+"""The agent boundary: `Task`, the `Agent` protocol, and the token-level `Session`.
+
+An agent drives one episode through its `Session`: `generate()` samples an assistant turn from
+the engine and `add_observation()` appends what the environment says back. The session owns the
+token stream (a `TrajectoryBuilder`), so an agent cannot get the loss mask wrong: sampled ids go
+in verbatim with mask 1, everything else with mask 0. Limits (`max_turns`, the context length)
+are enforced here by raising `EpisodeEnd`, which the rollout turns into the stop reason.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omniloop.agents.chat import ChatFormat, Message
+from omniloop.inference.base import Engine, SamplingParams
+from omniloop.trajectory import StopReason, TrajectoryBuilder, TurnRecord
+
+
+class Task(BaseModel):
+    """One unit of work for an agent, as read from a JSONL task set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    """Stable id of the task (episode ids derive from it)."""
+    prompt: str | list[dict[str, Any]]
+    """The user's request, or a whole list of chat messages."""
+    answer: Any = None
+    """The reference answer, for rewards that need one."""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Anything else the agent, tools or rewards need."""
+
+    def messages(self, system_prompt: str | None = None) -> list[Message]:
+        """The opening chat messages: an optional system prompt, then the prompt."""
+        opening: list[Message] = (
+            [{"role": "system", "content": system_prompt}] if system_prompt else []
+        )
+        if isinstance(self.prompt, str):
+            return [*opening, {"role": "user", "content": self.prompt}]
+        has_system = any(m.get("role") == "system" for m in self.prompt)
+        return [*([] if has_system else opening), *self.prompt]
+
+
+class EpisodeEnd(Exception):
+    """Raised by a `Session` when a limit ends the episode; carries the stop reason."""
+
+    def __init__(self, reason: StopReason, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason: StopReason = reason
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn as the agent sees it."""
+
+    text: str
+    """Prefill (if any) plus the sampled text, without the end-of-turn token."""
+    token_ids: list[int]
+    """The sampled ids, verbatim."""
+    finish_reason: str
+    """`stop` or `length`."""
+
+
+class Session:
+    """The token-level conversation of one episode with one engine."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        chat: ChatFormat,
+        messages: list[Message],
+        *,
+        sampling: SamplingParams,
+        max_turns: int,
+        max_context: int,
+    ) -> None:
+        self.engine = engine
+        self.chat = chat
+        self.sampling = sampling
+        self.max_turns = max_turns
+        self.max_context = max_context
+        self.messages: list[Message] = [dict(m) for m in messages]
+        self.builder = TrajectoryBuilder(chat.prompt_ids(messages))
+        self.turns: list[TurnRecord] = []
+        self._closed = True  # whether the last assistant turn ended with its end-of-turn token
+
+    @property
+    def num_turns(self) -> int:
+        """Assistant turns sampled so far."""
+        return len(self.turns)
+
+    async def generate(self, *, prefill: str = "") -> Turn:
+        """Sample the next assistant turn.
+
+        `prefill` is text placed at the start of the turn as if the model had written it; its
+        tokens are mask 0 (the policy did not sample them) and it is part of `Turn.text`.
+        Raises `EpisodeEnd` when `max_turns` is reached or no context is left.
+        """
+        if len(self.turns) >= self.max_turns:
+            raise EpisodeEnd("max_turns", f"{self.max_turns} turns")
+        if prefill:
+            self.builder.add_observation(
+                self.chat.tokenizer.encode(
+                    prefill, add_special_tokens=False, split_special_tokens=True
+                )
+            )
+        room = self.max_context - len(self.builder)
+        if room <= 0:
+            raise EpisodeEnd("context_limit", f"{len(self.builder)} tokens")
+        max_new = min(self.sampling.max_new_tokens, room)
+        params = self.sampling.model_copy(
+            update={
+                "max_new_tokens": max_new,
+                "stop_token_ids": sorted(
+                    {*(self.sampling.stop_token_ids or []), *self.chat.stop_token_ids}
+                ),
+            }
+        )
+        started = time.perf_counter()
+        out = await self.engine.generate(list(self.builder.input_ids), params)
+        elapsed = time.perf_counter() - started
+        start = len(self.builder)
+        self.builder.add_sampled(out.output_ids, out.output_logprobs, out.weight_version)
+        self.turns.append(
+            TurnRecord(
+                start=start,
+                num_sampled=len(out.output_ids),
+                finish_reason=out.finish_reason,
+                weight_version=out.weight_version,
+                generate_seconds=elapsed,
+            )
+        )
+        self._closed = bool(out.output_ids) and self.chat.is_closing(out.output_ids[-1])
+        content_ids = out.output_ids[:-1] if self._closed else out.output_ids
+        text = prefill + self.chat.tokenizer.decode(content_ids, skip_special_tokens=False)
+        self.messages.append({"role": "assistant", "content": text})
+        if out.finish_reason == "length":
+            reason: StopReason = (
+                "context_limit" if max_new < self.sampling.max_new_tokens else "length"
+            )
+            raise EpisodeEnd(reason, f"turn {len(self.turns)} hit {max_new} new tokens")
+        if out.finish_reason == "abort":
+            raise EpisodeEnd("engine_error", "the engine aborted the request")
+        return Turn(text=text, token_ids=list(out.output_ids), finish_reason=out.finish_reason)
+
+    def add_observation(self, messages: list[Message]) -> None:
+        """Append environment messages (tool results, user follow-ups) and the next generation
+        prompt. Raises `EpisodeEnd('context_limit')` if they would not leave room to answer."""
+        ids = self.chat.observation_ids(messages, closed=self._closed)
+        if len(self.builder) + len(ids) >= self.max_context:
+            raise EpisodeEnd("context_limit", f"observation of {len(ids)} tokens does not fit")
+        self.builder.add_observation(ids)
+        if self.turns:
+            last = self.turns[-1]
+            self.turns[-1] = last.model_copy(
+                update={"num_observation": last.num_observation + len(ids)}
+            )
+        self.messages.extend(dict(m) for m in messages)
+        self._closed = True
+
+    def final_response(self) -> str:
+        """Text of the last assistant turn ('' if none)."""
+        for message in reversed(self.messages):
+            if message["role"] == "assistant":
+                return str(message["content"])
+        return ""
+
+
+class Agent(Protocol):
+    """What users write: the opening of an episode and its loop over a `Session`.
+
+    `tool_schemas` (may be empty) is what the chat template shows the model; `opening` gives
+    the first messages; `run` drives the episode through `session` and returns when it is done
+    (limits end it by `EpisodeEnd`). `context` is the episode's `ToolContext` (its sandbox,
+    task, id and a scratch `state` dict).
+    """
+
+    tool_schemas: list[dict[str, Any]]
+
+    def opening(self, task: Task) -> list[Message]:
+        """The first chat messages of an episode on `task`."""
+        ...
+
+    async def run(self, task: Task, session: Session, context: Any) -> None:
+        """Drive the episode."""
+        ...

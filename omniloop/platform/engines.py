@@ -1,0 +1,77 @@
+"""Start a local CPU engine as a subprocess, for runs that are not given an engine URL."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from omniloop.errors import EngineError
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_command(model: str, port: int, threads: int | None = None) -> list[str]:
+    """The argv that serves `model` on loopback `port` with this interpreter."""
+    argv = [sys.executable, "-m", "omniloop", "engine", "serve", "--model", model]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    if threads:
+        argv += ["--threads", str(threads)]
+    return argv
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Block until `url/health` answers 200; raise `EngineError` if the process dies first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EngineError(f"engine process exited with {proc.returncode} before it was healthy")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise EngineError(f"engine at {url} was not healthy after {timeout:.0f}s")
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM, wait `grace` seconds, then SIGKILL."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.asynccontextmanager
+async def local_engine(
+    model: str, *, threads: int | None = None, log_path: Path | None = None, timeout: float = 180
+) -> AsyncIterator[str]:
+    """Serve `model` in a child process for the duration of the block; yields its base URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen(engine_command(model, port, threads), stdout=log, stderr=log, env=env)
+    try:
+        await asyncio.to_thread(wait_healthy, url, proc, timeout)
+        yield url
+    finally:
+        await asyncio.to_thread(stop_process, proc)
+        if log_path:
+            log.close()  # type: ignore[union-attr]
