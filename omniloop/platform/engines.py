@@ -58,20 +58,46 @@ def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
             proc.wait()
 
 
-@contextlib.asynccontextmanager
-async def local_engine(
+def start_engine(
     model: str, *, threads: int | None = None, log_path: Path | None = None, timeout: float = 180
-) -> AsyncIterator[str]:
-    """Serve `model` in a child process for the duration of the block; yields its base URL."""
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start serving `model` in a child process and wait until it is healthy."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen(engine_command(model, port, threads), stdout=log, stderr=log, env=env)
+    if log_path is None:
+        proc = subprocess.Popen(
+            engine_command(model, port, threads),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+    else:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                engine_command(model, port, threads), stdout=log, stderr=log, env=env
+            )
     try:
-        await asyncio.to_thread(wait_healthy, url, proc, timeout)
+        wait_healthy(url, proc, timeout)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, url
+
+
+@contextlib.asynccontextmanager
+async def local_engine(
+    model: str,
+    *,
+    threads: int | None = None,
+    log_path: Path | None = None,
+    startup_timeout: float = 180,
+) -> AsyncIterator[str]:
+    """Serve `model` in a child process for the duration of the block; yields its base URL."""
+    proc, url = await asyncio.to_thread(
+        start_engine, model, threads=threads, log_path=log_path, timeout=startup_timeout
+    )
+    try:
         yield url
     finally:
         await asyncio.to_thread(stop_process, proc)
-        if log_path:
-            log.close()  # type: ignore[union-attr]
