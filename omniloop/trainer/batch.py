@@ -1,0 +1,255 @@
+"""`TrainBatch`: trajectories as padded tensors, the unit the trainer backends consume.
+
+Layout: `B` sequences right-padded to a common length `T`. Every per-token tensor is `(B, T)` and
+index `i` belongs to token `i` of `input_ids`, exactly as in `Trajectory` (DESIGN.md §2):
+`rollout_logprobs[b, i]` is the engine's logprob of `input_ids[b, i]`, and so are `advantages`,
+`old_logprobs` and `ref_logprobs` at `[b, i]`. Position 0 has no logprob (nothing precedes it)
+and can never be in the loss mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from omniloop.trainer.advantages import group_advantages, rloo_advantages
+from omniloop.trainer.config import AdvantageConfig
+from omniloop.trajectory import Trajectory
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """A right-padded batch of sequences with everything the loss needs.
+
+    Invariants (checked on construction): all per-token tensors are `(B, T)`; `loss_mask` is 0 on
+    padding and at position 0; `ids` is empty or has `B` entries.
+    """
+
+    input_ids: Tensor
+    """`(B, T)` int64 token ids, right-padded."""
+    attention_mask: Tensor
+    """`(B, T)` int64: 1 on real tokens, 0 on padding."""
+    loss_mask: Tensor
+    """`(B, T)` float32: 1 on tokens the policy sampled (trained), 0 elsewhere."""
+    rollout_logprobs: Tensor
+    """`(B, T)` float32: the engine's logprob of each sampled token, 0 elsewhere."""
+    advantages: Tensor
+    """`(B, T)` float32 per-token advantages, 0 where the loss mask is 0."""
+    old_logprobs: Tensor | None = None
+    """`(B, T)` trainer logprobs before this update (PPO's pi_old). None: the backend uses its
+    own current logprobs, detached — exact when each batch gets one optimizer step."""
+    ref_logprobs: Tensor | None = None
+    """`(B, T)` reference-policy logprobs for the KL penalty, when computed elsewhere."""
+    weight_version: Tensor | None = None
+    """`(B, T)` int64 weight version that sampled each token, -1 elsewhere (for staleness)."""
+    ids: tuple[str, ...] = ()
+    """Trajectory ids, one per row (empty when built from raw tensors)."""
+
+    def __post_init__(self) -> None:
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, T), got {tuple(self.input_ids.shape)}")
+        shape = self.input_ids.shape
+        for field in ("attention_mask", "loss_mask", "rollout_logprobs", "advantages",
+                      "old_logprobs", "ref_logprobs", "weight_version"):  # fmt: skip
+            value = getattr(self, field)
+            if value is not None and value.shape != shape:
+                raise ValueError(
+                    f"{field} has shape {tuple(value.shape)} but input_ids has {tuple(shape)}"
+                )
+        if self.ids and len(self.ids) != shape[0]:
+            raise ValueError(f"{len(self.ids)} ids for {shape[0]} rows")
+        trained = self.loss_mask != 0
+        if bool((trained & (self.attention_mask == 0)).any()):
+            raise ValueError("loss_mask covers padding")
+        if shape[1] and bool(trained[:, 0].any()):
+            raise ValueError("loss_mask covers position 0, which has no logprob")
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Loss-masked tokens in the batch."""
+        return int((self.loss_mask != 0).sum())
+
+    @classmethod
+    def from_trajectories(
+        cls,
+        trajectories: Sequence[Trajectory],
+        advantages: Sequence[float] | Sequence[Sequence[float]] | Tensor | None,
+        *,
+        pad_id: int = 0,
+        old_logprobs: Sequence[Sequence[float]] | None = None,
+        ref_logprobs: Sequence[Sequence[float]] | None = None,
+    ) -> TrainBatch:
+        """Pad trajectories into a batch.
+
+        `advantages`: one float per trajectory (broadcast to its loss-masked tokens), or one list
+        per trajectory with a value per token (e.g. from `gae`), or None for zeros (a batch only
+        scored with `logprobs`, never trained). Per-token values are zeroed outside the loss
+        mask. `old_logprobs` / `ref_logprobs`: optional per-token lists, same alignment.
+        Infrastructure failures are refused: they must be dropped, not trained (DESIGN.md §2).
+        The padding id is irrelevant to the result (padding is masked and comes after every real
+        token, which causal attention never lets a real token see).
+        """
+        if not trajectories:
+            raise ValueError("a batch needs at least one trajectory")
+        n = len(trajectories)
+        if advantages is not None and len(advantages) != n:
+            raise ValueError(f"{len(advantages)} advantages for {n} trajectories")
+        for name, extra in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+            if extra is not None and len(extra) != n:
+                raise ValueError(f"{len(extra)} {name} rows for {n} trajectories")
+        length = max(len(t.input_ids) for t in trajectories)
+        ids = torch.full((n, length), pad_id, dtype=torch.long)
+        attention = torch.zeros((n, length), dtype=torch.long)
+        loss_mask = torch.zeros((n, length))
+        rollout = torch.zeros((n, length))
+        adv = torch.zeros((n, length))
+        version = torch.full((n, length), -1, dtype=torch.long)
+        old = torch.zeros((n, length)) if old_logprobs is not None else None
+        ref = torch.zeros((n, length)) if ref_logprobs is not None else None
+        for row, traj in enumerate(trajectories):
+            traj.check()
+            if traj.is_infra_failure:
+                raise ValueError(
+                    f"trajectory {traj.id} ended with {traj.meta.stop_reason}: infrastructure "
+                    "failures are excluded from training, not trained"
+                )
+            k = len(traj.input_ids)
+            ids[row, :k] = torch.tensor(traj.input_ids, dtype=torch.long)
+            attention[row, :k] = 1
+            mask = torch.tensor(traj.loss_mask, dtype=torch.float32)
+            loss_mask[row, :k] = mask
+            rollout[row, :k] = torch.tensor(traj.rollout_logprobs, dtype=torch.float32) * mask
+            version[row, :k] = torch.tensor(traj.weight_version, dtype=torch.long)
+            if advantages is not None:
+                adv[row, :k] = _row_values(advantages[row], k, "advantages", traj.id) * mask
+            if old is not None and old_logprobs is not None:
+                old[row, :k] = _row_values(old_logprobs[row], k, "old_logprobs", traj.id)
+            if ref is not None and ref_logprobs is not None:
+                ref[row, :k] = _row_values(ref_logprobs[row], k, "ref_logprobs", traj.id)
+        return cls(
+            input_ids=ids,
+            attention_mask=attention,
+            loss_mask=loss_mask,
+            rollout_logprobs=rollout,
+            advantages=adv,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            weight_version=version,
+            ids=tuple(t.id for t in trajectories),
+        )
+
+    def replace(self, **changes: object) -> TrainBatch:
+        """A copy with some fields replaced (e.g. `old_logprobs=backend.logprobs(batch)`)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def select(self, rows: slice | Sequence[int]) -> TrainBatch:
+        """The given rows, trimmed to their longest sequence (so no column is padding only)."""
+        if isinstance(rows, slice):
+            index: slice | Tensor = rows
+            ids = self.ids[rows]
+        else:
+            index = torch.tensor(list(rows), dtype=torch.long)
+            ids = tuple(self.ids[i] for i in rows) if self.ids else ()
+        attention = self.attention_mask[index]
+        width = int(attention.sum(-1).max()) if attention.shape[0] else 0
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, Tensor):
+                values[field.name] = value[index][:, :width]
+        return self.replace(**values, ids=ids)
+
+    def split(self, micro_batch_size: int) -> list[TrainBatch]:
+        """Consecutive micro-batches of at most `micro_batch_size` rows, each trimmed."""
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+        return [
+            self.select(slice(start, start + micro_batch_size))
+            for start in range(0, len(self), micro_batch_size)
+        ]
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The batch with every tensor on `device`."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        return self.replace(**moved)
+
+
+def _row_values(
+    values: float | Sequence[float] | Tensor, length: int, name: str, traj_id: str
+) -> Tensor:
+    if isinstance(values, (int, float)) or (isinstance(values, Tensor) and values.dim() == 0):
+        return torch.full((length,), float(values))
+    row = torch.as_tensor(values, dtype=torch.float32)
+    if row.shape != (length,):
+        raise ValueError(
+            f"trajectory {traj_id}: {name} has {row.numel()} values for {length} tokens"
+        )
+    return row
+
+
+def trajectory_advantages(
+    trajectories: Sequence[Trajectory], config: AdvantageConfig
+) -> tuple[Tensor, Tensor]:
+    """Per-trajectory advantages and the valid mask, grouped by `meta.group_id`.
+
+    A trajectory is invalid when it is an infrastructure failure (its reward, if any, is not
+    used); it gets advantage 0 and is left out of its group's statistics. A valid trajectory
+    without a reward, or without a group id, is an error: it means a stage was skipped.
+    Returns `(advantages (N,), valid (N,) bool)`.
+    """
+    group_index: dict[str, int] = {}
+    groups, rewards, valid = [], [], []
+    for traj in trajectories:
+        ok = not traj.is_infra_failure
+        if ok and traj.reward is None:
+            raise ValueError(f"trajectory {traj.id} has no reward; score it before training")
+        if not traj.meta.group_id:
+            raise ValueError(f"trajectory {traj.id} has no meta.group_id; group baselines need one")
+        groups.append(group_index.setdefault(traj.meta.group_id, len(group_index)))
+        rewards.append(float(traj.reward) if ok and traj.reward is not None else 0.0)
+        valid.append(ok)
+    r = torch.tensor(rewards)
+    g = torch.tensor(groups, dtype=torch.long)
+    v = torch.tensor(valid, dtype=torch.bool)
+    if config.estimator == "grpo":
+        adv = group_advantages(r, g, v, normalize_std=config.normalize_std, eps=config.eps)
+    else:
+        adv = rloo_advantages(r, g, v)
+    return adv, v
+
+
+def batch_from_trajectories(
+    trajectories: Sequence[Trajectory], config: AdvantageConfig, *, pad_id: int = 0
+) -> tuple[TrainBatch, dict[str, float]]:
+    """Advantages, exclusion of infrastructure failures, and padding, in one call.
+
+    Returns the batch of valid trajectories and metrics: `advantage/excluded` (infrastructure
+    failures dropped), `advantage/mean`, `advantage/abs_mean`, `advantage/zero_frac` (valid
+    samples with advantage 0: their group had one value only), `reward/mean` (valid only).
+    Raises `ValueError` when no trajectory is valid.
+    """
+    adv, valid = trajectory_advantages(trajectories, config)
+    kept = [t for t, ok in zip(trajectories, valid.tolist(), strict=True) if ok]
+    if not kept:
+        raise ValueError(f"all {len(trajectories)} trajectories are infrastructure failures")
+    kept_adv = adv[valid]
+    rewards = torch.tensor([float(t.reward or 0.0) for t in kept])
+    metrics = {
+        "advantage/excluded": float(len(trajectories) - len(kept)),
+        "advantage/mean": float(kept_adv.mean()),
+        "advantage/abs_mean": float(kept_adv.abs().mean()),
+        "advantage/zero_frac": float((kept_adv == 0).float().mean()),
+        "reward/mean": float(rewards.mean()),
+    }
+    return TrainBatch.from_trajectories(kept, kept_adv.tolist(), pad_id=pad_id), metrics

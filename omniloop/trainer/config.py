@@ -1,0 +1,123 @@
+"""Typed configuration of the trainer: optimizer, precision, micro-batching, loss, advantages.
+
+The loss and advantage settings are read by the pure functions in `losses.py` and
+`advantages.py` through `rl_loss` and `batch_from_trajectories`; everything else belongs to the
+backend that owns the model and optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from omniloop.config import StrictModel
+
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+"""How per-token losses become one number; see `losses.aggregate`."""
+
+KLType = Literal["k1", "k2", "k3"]
+"""Schulman's KL estimators; see `losses.kl_estimate`."""
+
+PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo"]
+"""The policy-gradient surrogate; see the `*_policy_loss` functions in `losses.py`."""
+
+
+class LossConfig(StrictModel):
+    """The training objective: policy surrogate + KL penalty - entropy bonus."""
+
+    policy_loss: PolicyLoss = "ppo"
+    """`ppo`: token-level clipped ratio (GRPO/DAPO/PPO); `gspo`: sequence-level ratio (set
+    `clip_eps_low=3e-4`, `clip_eps_high=4e-4`, `aggregation=seq-mean-token-mean` as in the paper);
+    `cispo`: clipped, detached IS weight times log-prob (`clip_eps_low=1` leaves it unbounded
+    below, as in the paper); `sapo`: sigmoid-gated soft clip (ignores the clip settings)."""
+    clip_eps_low: float = Field(default=0.2, gt=0, le=1)
+    """Lower clip: the ratio is clipped below at `1 - clip_eps_low`."""
+    clip_eps_high: float = Field(default=0.2, gt=0)
+    """Upper clip: the ratio is clipped above at `1 + clip_eps_high` (DAPO's clip-higher: 0.28)."""
+    dual_clip_c: float | None = Field(default=None, gt=1)
+    """Dual-clip bound for negative advantages (`ppo` only): the loss of a token with A < 0 is
+    at most `-A * dual_clip_c`; None disables it. Typical: 3."""
+    aggregation: Aggregation = "token-mean"
+    """`token-mean` averages over every loss-masked token of the batch (long answers weigh
+    more); `seq-mean-token-mean` averages per sequence, then over sequences (GRPO paper, GSPO);
+    `seq-mean-token-sum` sums per sequence, then averages over sequences."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty against the reference policy; 0 disables it."""
+    kl_type: KLType = "k3"
+    """Which KL estimator the penalty uses."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
+    tis_cap: float | None = Field(default=None, gt=0)
+    """Truncated importance sampling: each token's policy loss is multiplied by
+    `min(exp(old - rollout), tis_cap)` (detached), correcting for the engine's logprobs differing
+    from the trainer's. None disables it; typical: 2."""
+    sapo_tau_pos: float = Field(default=1.0, gt=0)
+    """SAPO gate temperature for tokens with a positive advantage."""
+    sapo_tau_neg: float = Field(default=1.05, gt=0)
+    """SAPO gate temperature for tokens with a non-positive advantage."""
+
+    @model_validator(mode="after")
+    def _check_dual_clip(self) -> LossConfig:
+        if self.dual_clip_c is not None and self.policy_loss != "ppo":
+            raise ValueError(
+                f"dual_clip_c applies to policy_loss 'ppo' only, not {self.policy_loss!r}"
+            )
+        return self
+
+
+class AdvantageConfig(StrictModel):
+    """How per-trajectory rewards become advantages (group baselines; no critic)."""
+
+    estimator: Literal["grpo", "rloo"] = "grpo"
+    """`grpo`: (r - group mean) / (group std + eps); `rloo`: r - mean of the other samples."""
+    normalize_std: bool = True
+    """`grpo` only: divide by the group's standard deviation. False is Dr. GRPO."""
+    eps: float = Field(default=1e-6, gt=0)
+    """Added to the group std before dividing."""
+
+
+class TrainerConfig(StrictModel):
+    """The trainer backend: optimizer, precision, micro-batching and the objective."""
+
+    backend: Literal["torch"] = "torch"
+    """Which `TrainerBackend` implementation to build."""
+    lr: float = Field(default=1e-6, gt=0)
+    """AdamW learning rate (after warm-up)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(default=0.01, ge=0)
+    """AdamW decoupled weight decay."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up over this many optimizer steps; 0 starts at `lr`."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Clip the global gradient norm to this value; None disables clipping (the norm is still
+    reported). A step whose gradient norm is not finite is skipped."""
+    micro_batch_size: int = Field(default=4, gt=0)
+    """Sequences per forward/backward pass; gradients accumulate over the micro-batches of one
+    `train_step`, which makes one optimizer step."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """`fp32`, or `bf16` autocast (on CPU and GPU) over fp32 master weights and optimizer state."""
+    device: str | None = None
+    """Torch device (`cpu`, `cuda`, `cuda:1`); None picks `cuda` when available, else `cpu`."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% slower)."""
+    logits_chunk_size: int = Field(default=1024, gt=0)
+    """Token rows per chunk when turning logits into logprobs and entropy, so that the fp32 copy
+    of the (tokens × vocabulary) logits never exists all at once."""
+    reference: Literal["copy", "external"] = "copy"
+    """Where KL reference logprobs come from when `loss.kl_coef > 0`: `copy` keeps a frozen copy of
+    the initial policy in this process; `external` requires `ref_logprobs` on every batch (a
+    reference service computes them)."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """The training objective."""
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    """The advantage estimator."""
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> TrainerConfig:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must each lie in [0, 1), got {self.betas}")
+        return self

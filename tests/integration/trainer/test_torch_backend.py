@@ -1,0 +1,244 @@
+"""TorchTrainerBackend on the tiny random Llama: alignment, invariances, learning, checkpoints."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from omniloop.trainer.backend import TrainerBackend
+from omniloop.trainer.batch import batch_from_trajectories
+from omniloop.trainer.config import AdvantageConfig, LossConfig, TrainerConfig
+from omniloop.trainer.torch_backend import TorchTrainerBackend
+from omniloop.trajectory import TrajectoryBuilder, TrajectoryMeta
+
+
+def backend(**config: object) -> TorchTrainerBackend:
+    return TorchTrainerBackend("tiny", TrainerConfig.model_validate({"device": "cpu", **config}))
+
+
+def grads(b: TorchTrainerBackend) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in b.model.named_parameters():
+        assert p.grad is not None, name
+        out[name] = p.grad.clone()
+    return out
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], **tol: float):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name, **tol)  # type: ignore[arg-type]
+
+
+def test_implements_the_protocol() -> None:
+    assert isinstance(backend(), TrainerBackend)
+
+
+def test_logprobs_are_aligned_to_the_token_they_score(tiny_model: Path, make_batch) -> None:
+    batch = make_batch([12])
+    ids = batch.input_ids[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(input_ids=ids[None]).logits[0]
+    # Token i is scored by the distribution at position i - 1; token 0 has no logprob.
+    manual = [0.0] + [
+        torch.log_softmax(logits[i - 1], dim=-1)[ids[i]].item() for i in range(1, len(ids))
+    ]
+    got = backend().logprobs(batch)
+    torch.testing.assert_close(got[0], torch.tensor(manual), atol=1e-5, rtol=0)
+
+
+def test_padding_does_not_change_a_sequences_logprobs(make_batch) -> None:
+    b = backend(micro_batch_size=4)
+    batch = make_batch([9, 23, 15], seed=3)
+    together = b.logprobs(batch)
+    for row, n in enumerate([9, 23, 15]):
+        alone = b.logprobs(batch.select([row]))
+        torch.testing.assert_close(together[row, :n], alone[0, :n], atol=1e-5, rtol=0)
+        assert bool((together[row, n:] == 0).all())
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batching_gives_the_full_batch_gradient(make_batch, aggregation: str) -> None:
+    batch = make_batch([10, 19, 7, 14], advantages=[1.0, -0.5, 2.0, -1.5], seed=5)
+    results = []
+    for micro in (4, 2, 1):
+        b = backend(
+            micro_batch_size=micro, grad_clip=None, loss={"aggregation": aggregation}, lr=1e-3
+        )
+        metrics = b.train_step(batch)
+        results.append((metrics, grads(b)))
+    full_metrics, full_grads = results[0]
+    for metrics, g in results[1:]:
+        assert_same_tensors(full_grads, g, atol=1e-7, rtol=1e-4)
+        assert metrics["actor/loss"] == pytest.approx(full_metrics["actor/loss"], abs=1e-6)
+        assert metrics["actor/entropy"] == pytest.approx(full_metrics["actor/entropy"], rel=1e-5)
+
+
+def test_train_step_raises_probability_of_positive_advantage_tokens(make_batch) -> None:
+    b = backend(lr=1e-3, micro_batch_size=2)
+    batch = make_batch([12, 16, 10], seed=7)
+    before = b.logprobs(batch)
+    # Fixed pi_old, so the surrogate loss -A * ratio can move across steps.
+    batch = batch.replace(old_logprobs=before)
+    losses = [b.train_step(batch)["actor/pg_loss"] for _ in range(3)]
+    after = b.logprobs(batch)
+    mask = batch.loss_mask.bool()
+    assert after[mask].mean() > before[mask].mean() + 0.01
+    assert losses[0] == pytest.approx(-1.0, abs=1e-6)  # ratio 1 at the first step
+    assert losses[2] < losses[1] < losses[0]
+    assert b.version == 3
+
+
+def test_tokens_outside_the_loss_mask_do_not_affect_the_update(make_batch) -> None:
+    batch = make_batch([11, 14], advantages=[1.0, -1.0], seed=9)
+    outside = batch.loss_mask == 0
+    garbage = batch.replace(
+        advantages=torch.where(outside, 1e6, batch.advantages),
+        rollout_logprobs=torch.where(outside, -50.0, batch.rollout_logprobs),
+    )
+    results = []
+    for b_ in (batch, garbage):
+        b = backend(grad_clip=None)
+        b.train_step(b_)
+        results.append(grads(b))
+    assert_same_tensors(results[0], results[1], atol=0.0, rtol=0.0)
+
+
+def test_save_then_load_restores_weights_optimizer_and_version(tmp_path: Path, make_batch) -> None:
+    batch = make_batch([10, 13], advantages=[1.0, -1.0], seed=11)
+    a = backend(lr=1e-3, warmup_steps=5)
+    a.train_step(batch)
+    a.train_step(batch)
+    a.save(tmp_path / "ckpt", data_position={"epoch": 1, "offset": 64})
+
+    b = backend(lr=1e-3, warmup_steps=5)
+    assert b.load(tmp_path / "ckpt") == {"epoch": 1, "offset": 64}
+    assert b.version == 2
+    assert_same_tensors(dict(a.named_weights()), dict(b.named_weights()), atol=0.0, rtol=0.0)
+    state_a, state_b = a.optimizer.state_dict(), b.optimizer.state_dict()
+    for key, slot in state_a["state"].items():
+        for name, value in slot.items():
+            torch.testing.assert_close(state_b["state"][key][name], value, atol=0.0, rtol=0.0)
+    assert b.optimizer.param_groups[0]["lr"] == a.optimizer.param_groups[0]["lr"]
+
+    # The resumed run continues exactly: a fresh optimizer (new moments, warm-up from the
+    # start) would take a different step.
+    a.train_step(batch)
+    b.train_step(batch)
+    assert b.version == 3
+    assert_same_tensors(dict(a.named_weights()), dict(b.named_weights()), atol=0.0, rtol=0.0)
+
+
+def test_save_hf_writes_a_folder_transformers_loads(tmp_path: Path, make_batch) -> None:
+    b = backend(lr=1e-3)
+    b.train_step(make_batch([9, 12]))
+    b.save_hf(tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").chat_template
+    weights = dict(b.named_weights())
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert set(f.keys()) == set(weights)
+    assert_same_tensors(
+        weights, {n: p.detach() for n, p in loaded.named_parameters()}, atol=0.0, rtol=0.0
+    )
+
+
+def test_bf16_autocast_trains_over_fp32_weights(make_batch) -> None:
+    batch = make_batch([10, 14], seed=13)
+    b = backend(dtype="bf16", lr=1e-3)
+    fp32_logprobs = backend().logprobs(batch)
+    bf16_logprobs = b.logprobs(batch)
+    mask = batch.attention_mask.bool()
+    # bf16 keeps ~3 significant digits; on this model logprobs agree to ~1e-3.
+    assert (bf16_logprobs[mask] - fp32_logprobs[mask]).abs().max() < 0.02
+    metrics = b.train_step(batch)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert b.version == 1
+    assert all(p.dtype == torch.float32 for p in b.model.parameters())
+
+
+def test_kl_against_a_frozen_copy_of_the_initial_policy(make_batch) -> None:
+    batch = make_batch([10, 12], seed=15)
+    b = backend(lr=1e-3, loss={"kl_coef": 0.1, "kl_type": "k3"})
+    initial = b.logprobs(batch)
+    first = b.train_step(batch)
+    second = b.train_step(batch)
+    assert first["actor/kl"] == pytest.approx(0.0, abs=1e-7)
+    assert second["actor/kl"] > 1e-6
+    torch.testing.assert_close(b.ref_logprobs(batch), initial, atol=0.0, rtol=0.0)
+
+
+def test_external_reference_requires_ref_logprobs(make_batch) -> None:
+    b = backend(loss={"kl_coef": 0.1}, reference="external")
+    assert b.reference is None
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        b.train_step(make_batch([8]))
+
+
+def test_non_finite_gradient_skips_the_step(make_batch) -> None:
+    batch = make_batch([10])
+    poisoned = batch.replace(
+        advantages=batch.advantages.masked_fill(batch.loss_mask.bool(), math.nan)
+    )
+    b = backend(lr=1e-3)
+    before = {n: w.clone() for n, w in b.named_weights()}
+    metrics = b.train_step(poisoned)
+    assert metrics["actor/skipped_step"] == 1.0
+    assert b.version == 0
+    assert_same_tensors(before, dict(b.named_weights()), atol=0.0, rtol=0.0)
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(make_batch) -> None:
+    batch = make_batch([10, 15], advantages=[1.0, -1.0], seed=17)
+    results = []
+    for checkpointing in (False, True):
+        b = backend(
+            gradient_checkpointing=checkpointing, grad_clip=None, loss={"entropy_coef": 0.01}
+        )
+        assert b.model.is_activation_checkpointing is checkpointing
+        b.train_step(batch)
+        results.append(grads(b))
+    assert_same_tensors(results[0], results[1], atol=1e-7, rtol=1e-5)
+
+
+def test_trains_on_trajectories_and_reports_staleness() -> None:
+    trajs = []
+    for i, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
+        builder = TrajectoryBuilder([1, 100 + i, 200])
+        builder.add_sampled([300 + i, 301], [-10.0, -10.5], version=0)
+        builder.add_observation([400, 401])
+        builder.add_sampled([302], [-11.0], version=1)
+        traj = builder.build(TrajectoryMeta(episode_id=f"e{i}", group_id="g"))
+        traj.reward = reward
+        trajs.append(traj)
+    batch, adv_metrics = batch_from_trajectories(trajs, AdvantageConfig())
+    assert adv_metrics["advantage/excluded"] == 0.0
+    b = backend(lr=1e-3)
+    b.version = 2
+    metrics = b.train_step(batch)
+    # Sampled tokens came from versions 0, 0, 1 in every trajectory: staleness 2, 2, 1.
+    assert metrics["actor/staleness_mean"] == pytest.approx(5 / 3)
+    assert metrics["actor/staleness_max"] == 2.0
+    assert metrics["actor/num_tokens"] == 12.0
+    assert b.version == 3
+
+
+def test_empty_loss_mask_is_refused(make_batch) -> None:
+    batch = make_batch([6])
+    with pytest.raises(ValueError, match="no loss-masked tokens"):
+        backend().train_step(batch.replace(loss_mask=torch.zeros_like(batch.loss_mask)))
+
+
+def test_loss_config_reaches_the_objective(make_batch) -> None:
+    # A TIS cap with rollout logprobs far below the trainer's caps every weight.
+    batch = make_batch([10, 12], seed=19)
+    b = backend(loss=LossConfig(tis_cap=1.5).model_dump())
+    metrics = b.train_step(batch.replace(rollout_logprobs=batch.loss_mask * -30.0))
+    assert metrics["actor/tis_capped_frac"] == pytest.approx(1.0)
+    assert metrics["actor/tis_weight_mean"] == pytest.approx(1.5)

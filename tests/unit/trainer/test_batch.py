@@ -1,0 +1,143 @@
+"""TrainBatch: trajectories become aligned, padded tensors; failures never reach training."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from omniloop.trainer.batch import TrainBatch, batch_from_trajectories, trajectory_advantages
+from omniloop.trainer.config import AdvantageConfig
+from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta
+
+
+def make_traj(
+    episode: str,
+    *,
+    prompt: list[int],
+    turns: list[tuple[list[int], list[float], int, list[int]]],
+    reward: float | None = 1.0,
+    group: str = "g0",
+    stop_reason: str = "stop",
+) -> Trajectory:
+    """A trajectory: each turn is (sampled ids, their logprobs, version, observation ids)."""
+    builder = TrajectoryBuilder(prompt)
+    for ids, logprobs, version, observation in turns:
+        builder.add_sampled(ids, logprobs, version)
+        builder.add_observation(observation)
+    traj = builder.build(TrajectoryMeta(episode_id=episode, group_id=group))
+    traj.reward = reward
+    traj.meta.stop_reason = stop_reason  # type: ignore[assignment]
+    return traj
+
+
+def two_turn() -> Trajectory:
+    # ids: 10 11 | 20 21 | 30 | 22 ; mask 0 0 1 1 0 1
+    return make_traj(
+        "a", prompt=[10, 11], turns=[([20, 21], [-0.5, -0.25], 3, [30]), ([22], [-1.0], 4, [])]
+    )
+
+
+def one_turn() -> Trajectory:
+    return make_traj("b", prompt=[10], turns=[([40, 41], [-2.0, -3.0], 4, [])], reward=0.0)
+
+
+def test_from_trajectories_pads_right_and_keeps_token_alignment() -> None:
+    batch = TrainBatch.from_trajectories([two_turn(), one_turn()], [2.0, -1.0], pad_id=7)
+    assert batch.input_ids.tolist() == [[10, 11, 20, 21, 30, 22], [10, 40, 41, 7, 7, 7]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0]]
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 0, 1], [0, 1, 1, 0, 0, 0]]
+    # Each engine logprob stays at the index of the token it scores.
+    assert batch.rollout_logprobs.tolist() == [
+        [0, 0, -0.5, -0.25, 0, -1.0],
+        [0, -2.0, -3.0, 0, 0, 0],
+    ]
+    assert batch.advantages.tolist() == [[0, 0, 2, 2, 0, 2], [0, -1, -1, 0, 0, 0]]
+    assert batch.weight_version is not None
+    assert batch.weight_version.tolist() == [[-1, -1, 3, 3, -1, 4], [-1, 4, 4, -1, -1, -1]]
+    assert batch.num_tokens == 5
+    assert len(batch) == 2
+
+
+def test_per_token_advantages_are_zeroed_outside_the_loss_mask() -> None:
+    batch = TrainBatch.from_trajectories([one_turn()], [[9.0, 0.5, 0.25]])
+    assert batch.advantages.tolist() == [[0.0, 0.5, 0.25]]
+
+
+def test_per_token_values_of_the_wrong_length_are_refused() -> None:
+    with pytest.raises(ValueError, match="2 values for 3 tokens"):
+        TrainBatch.from_trajectories([one_turn()], [[0.5, 0.25]])
+
+
+def test_infrastructure_failure_is_refused() -> None:
+    failed = make_traj("c", prompt=[1], turns=[([2], [-1.0], 0, [])], stop_reason="sandbox_error")
+    with pytest.raises(ValueError, match="sandbox_error"):
+        TrainBatch.from_trajectories([failed], [0.0])
+
+
+def test_loss_mask_on_position_zero_is_refused() -> None:
+    ones = torch.ones(1, 3)
+    with pytest.raises(ValueError, match="position 0"):
+        TrainBatch(torch.zeros(1, 3, dtype=torch.long), ones.long(), ones, ones, ones)
+
+
+def test_loss_mask_on_padding_is_refused() -> None:
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    attention = torch.tensor([[1, 1, 0]])
+    with pytest.raises(ValueError, match="padding"):
+        TrainBatch(torch.zeros(1, 3, dtype=torch.long), attention, mask, mask, mask)
+
+
+def test_split_trims_each_micro_batch_to_its_longest_row() -> None:
+    long = make_traj("l", prompt=[1, 2, 3, 4], turns=[([5, 6, 7, 8], [-1.0] * 4, 0, [])])
+    batch = TrainBatch.from_trajectories([long, one_turn(), one_turn()], [1.0, 2.0, 3.0])
+    parts = batch.split(2)
+    assert [tuple(p.input_ids.shape) for p in parts] == [(2, 8), (1, 3)]
+    assert parts[1].input_ids.tolist() == [[10, 40, 41]]
+    assert parts[1].advantages.tolist() == [[0.0, 3.0, 3.0]]
+    assert parts[1].ids == (batch.ids[2],)
+
+
+def single(episode: str, reward: float | None, group: str = "g0", stop: str = "stop") -> Trajectory:
+    """A one-token answer to a one-token prompt."""
+    return make_traj(
+        episode, prompt=[1], turns=[([2], [0.0], 0, [])], reward=reward, group=group,
+        stop_reason=stop,
+    )  # fmt: skip
+
+
+def test_trajectory_advantages_group_and_exclude_failures() -> None:
+    trajs = [
+        single("1", 1.0, "x"),
+        single("2", 0.0, "y"),
+        single("3", 0.0, "x"),
+        single("4", None, "x", stop="engine_error"),
+        single("5", 1.0, "y"),
+        single("6", 0.0, "x"),
+    ]
+    adv, valid = trajectory_advantages(trajs, AdvantageConfig(estimator="rloo"))
+    assert valid.tolist() == [True, True, True, False, True, True]
+    # Group x valid rewards [1, 0, 0]: RLOO 1 - 0, 0 - 0.5, 0 - 0.5. Group y [0, 1]: -1, +1.
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1.0, -0.5, 0.0, 1.0, -0.5]))
+
+
+def test_batch_from_trajectories_drops_failures_and_reports_them() -> None:
+    trajs = [single("1", 1.0), single("2", 0.0), single("3", None, stop="cancelled")]
+    batch, metrics = batch_from_trajectories(trajs, AdvantageConfig(eps=1e-12))
+    assert len(batch) == 2
+    assert metrics["advantage/excluded"] == 1.0
+    assert metrics["reward/mean"] == 0.5
+    # Rewards [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> ±0.5 / 0.70711.
+    a = 0.5 / math.sqrt(0.5)
+    torch.testing.assert_close(batch.advantages, torch.tensor([[0.0, a], [0.0, -a]]))
+
+
+def test_unscored_trajectory_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no reward"):
+        trajectory_advantages([single("1", None)], AdvantageConfig())
+
+
+def test_trajectory_without_group_is_an_error() -> None:
+    with pytest.raises(ValueError, match="group_id"):
+        trajectory_advantages([single("1", 1.0, group="")], AdvantageConfig())
