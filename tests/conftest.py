@@ -3,7 +3,80 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# -- engine fixtures -------------------------------------------------------------------------
+
+ENGINE_MAX_CONTEXT = 512
+"""Context length of the `tiny_engine_url` server (small, so over-long prompts are cheap)."""
+ENGINE_MAX_BATCH = 8
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of `omniloop engine serve --model tiny` run as a subprocess for the whole session.
+
+    One torch thread (the CI machine has two cores shared by everything), 8 slots, a context
+    of 512 tokens. The server's output is in the session's temp dir and shown on failure.
+    """
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    exe = Path(sys.executable).parent / "omniloop"
+    # Port 0: the server binds a free port itself and prints it, so no port can be taken
+    # between choosing it and binding it.
+    cmd = [
+        str(exe), "engine", "serve", "--model", "tiny", "--port", "0", "--threads", "1",
+        "--max-batch", str(ENGINE_MAX_BATCH), "--max-context", str(ENGINE_MAX_CONTEXT),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        url: str | None = None
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"engine exited with {proc.returncode} before serving:\n{log.read_text()}"
+                )
+            if url is None:
+                ready = [ln for ln in log.read_text().splitlines() if "engine ready at " in ln]
+                url = ready[0].split("ready at ", 1)[1].split()[0] if ready else None
+            try:
+                if url is not None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine not healthy after 180 s:\n{log.read_text()}")
+            time.sleep(0.1)
+        assert url is not None
+        yield url
+    finally:
+        _stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_max_context() -> int:
+    """The context length `tiny_engine_url` serves with."""
+    return ENGINE_MAX_CONTEXT

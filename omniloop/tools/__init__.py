@@ -1,1 +1,46 @@
-"""omniloop.tools."""
+"""Tools the model can call: `@tool`, the `Toolset` that runs them, the Hermes/Qwen parser,
+and the built-in sandbox tools."""
+
+from omniloop.tools.base import (
+    DEFAULT_TOOL_TIMEOUT,
+    FunctionTool,
+    Tool,
+    ToolArgumentError,
+    ToolContext,
+    ToolErrorCode,
+    Toolset,
+    render_result,
+    tool,
+    tool_call_metrics,
+)
+from omniloop.tools.builtin import BUILTIN_TOOLS, bash, python, read_file, write_file
+from omniloop.tools.parser import (
+    ParsedCall,
+    ParseResult,
+    format_tool_call,
+    format_tool_schemas,
+    parse_tool_calls,
+)
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "DEFAULT_TOOL_TIMEOUT",
+    "FunctionTool",
+    "ParseResult",
+    "ParsedCall",
+    "Tool",
+    "ToolArgumentError",
+    "ToolContext",
+    "ToolErrorCode",
+    "Toolset",
+    "bash",
+    "format_tool_call",
+    "format_tool_schemas",
+    "parse_tool_calls",
+    "python",
+    "read_file",
+    "render_result",
+    "tool",
+    "tool_call_metrics",
+    "write_file",
+]

@@ -1,0 +1,274 @@
+"""`EngineClient`: the one async client of an inference engine's SGLang-native HTTP API.
+
+It talks to omniloop's CPU engine and to real SGLang alike (same paths and field names; see
+`protocol.py`). Only idempotent reads (`/health`, `/health_generate`, `/get_model_info`,
+`/get_weight_version`) are retried, on transport errors, with tenacity. Everything else is sent
+once: a failed `/generate` raises `EngineHTTPError` carrying the status and body, and a
+transport failure raises `EngineError`.
+
+`generate` always asks for logprobs, because a trajectory needs one per sampled token.
+SGLang's `weight_version` is a string; it is parsed to an int ("default", SGLang's initial
+value, reads as 0; anything else that is not an integer is an `EngineError`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from omniloop.errors import EngineError
+from omniloop.inference.base import GenerateOutput, SamplingParams
+from omniloop.inference.protocol import (
+    GenerateResponse,
+    ModelInfo,
+    UpdateWeightFromDiskReqOutput,
+    parse_weight_version,
+)
+
+
+class EngineHTTPError(EngineError):
+    """The engine answered with an error status; `status_code` and `body` say what it said."""
+
+    def __init__(self, what: str, status_code: int, body: str) -> None:
+        super().__init__(f"{what} failed with HTTP {status_code}: {body}")
+        self.status_code = status_code
+        self.body = body
+
+
+def sampling_to_wire(sampling: SamplingParams) -> dict[str, Any]:
+    """SGLang `sampling_params` for `sampling` (the seed travels as `sampling_seed`)."""
+    wire: dict[str, Any] = {
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+    }
+    if sampling.stop:
+        wire["stop"] = list(sampling.stop)
+    if sampling.stop_token_ids:
+        wire["stop_token_ids"] = list(sampling.stop_token_ids)
+    if sampling.seed is not None:
+        wire["sampling_seed"] = sampling.seed
+    return wire
+
+
+def parse_generate_output(data: Any) -> GenerateOutput:
+    """A `GenerateOutput` from one `/generate` result object; `EngineError` if unusable."""
+    try:
+        response = GenerateResponse.model_validate(data)
+    except ValueError as err:
+        raise EngineError(f"engine returned a malformed /generate result: {err}") from None
+    meta = response.meta_info
+    if meta.finish_reason is None:
+        raise EngineError(f"engine result {meta.id!r} has no finish_reason (not finished)")
+    triples = meta.output_token_logprobs
+    if triples is None:
+        raise EngineError(f"engine result {meta.id!r} has no output_token_logprobs")
+    ids = response.output_ids if response.output_ids is not None else [t[1] for t in triples]
+    logprobs = [t[0] for t in triples]
+    if len(ids) != len(logprobs) or any(lp is None for lp in logprobs):
+        raise EngineError(
+            f"engine result {meta.id!r} has {len(ids)} output ids but logprobs {logprobs!r}"
+        )
+    version = parse_weight_version(meta.weight_version)
+    if version is None:
+        raise EngineError(f"engine weight_version {meta.weight_version!r} is not an integer")
+    return GenerateOutput(
+        output_ids=ids,
+        output_logprobs=[float(lp) for lp in logprobs if lp is not None],
+        finish_reason=meta.finish_reason.type,
+        weight_version=version,
+        prompt_tokens=meta.prompt_tokens,
+        completion_tokens=meta.completion_tokens,
+    )
+
+
+class EngineClient:
+    """Async client of one engine at `base_url` (e.g. `http://127.0.0.1:30000`).
+
+    Satisfies `omniloop.inference.base.Engine`. Use as `async with EngineClient(url) as c:`
+    or call `aclose()`. `timeout` bounds each HTTP call in seconds (generation included).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 600.0,
+        *,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._retries = retries
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            # Rollout sends many generations at once; the engine batches them.
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+            transport=transport,
+        )
+
+    async def __aenter__(self) -> EngineClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- transport --------------------------------------------------------------------------
+
+    async def _send(self, method: str, path: str, json: Any = None) -> httpx.Response:
+        try:
+            return await self._http.request(method, path, json=json)
+        except httpx.HTTPError as err:
+            raise EngineError(f"{method} {self.base_url}{path}: {err!r}") from err
+
+    async def _get_idempotent(self, path: str) -> httpx.Response:
+        """GET with retries on transport errors (safe: the call changes nothing)."""
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(self._retries),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            retry=retry_if_exception_type(httpx.TransportError),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    return await self._http.get(path)
+        except httpx.HTTPError as err:
+            raise EngineError(f"GET {self.base_url}{path}: {err!r}") from err
+        raise AssertionError("unreachable: tenacity re-raises the last error")
+
+    @staticmethod
+    def _check(what: str, response: httpx.Response) -> httpx.Response:
+        if response.status_code >= 400:
+            raise EngineHTTPError(what, response.status_code, response.text)
+        return response
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
+        """Sample a continuation of `input_ids` (see `base.Engine`); `EngineError` on failure."""
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": sampling_to_wire(sampling),
+            "return_logprob": True,
+        }
+        response = self._check("/generate", await self._send("POST", "/generate", body))
+        return parse_generate_output(response.json())
+
+    async def generate_batch(
+        self,
+        prompts: Sequence[list[int]],
+        sampling: SamplingParams | Sequence[SamplingParams],
+    ) -> list[GenerateOutput]:
+        """Several prompts in one `/generate` call; one `SamplingParams` for all, or one each."""
+        if not prompts:
+            return []
+        if isinstance(sampling, SamplingParams):
+            wire: Any = sampling_to_wire(sampling)
+        else:
+            if len(sampling) != len(prompts):
+                raise ValueError(f"{len(sampling)} sampling params for {len(prompts)} prompts")
+            wire = [sampling_to_wire(s) for s in sampling]
+        body = {
+            "input_ids": [list(p) for p in prompts],
+            "sampling_params": wire,
+            "return_logprob": True,
+        }
+        response = self._check("/generate", await self._send("POST", "/generate", body))
+        data = response.json()
+        if not isinstance(data, list) or len(data) != len(prompts):
+            raise EngineError(f"batched /generate returned {type(data).__name__}, not a list")
+        return [parse_generate_output(item) for item in data]
+
+    # -- health and info --------------------------------------------------------------------
+
+    async def health(self) -> bool:
+        """Whether `/health` answers 200 (False if the engine cannot be reached)."""
+        try:
+            return (await self._get_idempotent("/health")).status_code == 200
+        except EngineError:
+            return False
+
+    async def health_generate(self) -> bool:
+        """Whether `/health_generate` (a 1-token generation) answers 200."""
+        try:
+            return (await self._get_idempotent("/health_generate")).status_code == 200
+        except EngineError:
+            return False
+
+    async def get_model_info(self) -> ModelInfo:
+        """`/get_model_info`: model path, weight version and more."""
+        response = self._check("/get_model_info", await self._get_idempotent("/get_model_info"))
+        return ModelInfo.model_validate(response.json())
+
+    async def get_weight_version(self) -> int:
+        """The engine's current weight version, as an int."""
+        response = self._check(
+            "/get_weight_version", await self._get_idempotent("/get_weight_version")
+        )
+        raw = response.json().get("weight_version")
+        version = parse_weight_version(raw)
+        if version is None:
+            raise EngineError(f"engine weight_version {raw!r} is not an integer")
+        return version
+
+    # -- control ----------------------------------------------------------------------------
+
+    async def flush_cache(self) -> None:
+        """Ask the engine to drop its prefix cache; `EngineHTTPError` if it refuses."""
+        self._check("/flush_cache", await self._send("POST", "/flush_cache"))
+
+    async def update_weights_from_disk(
+        self,
+        path: str,
+        weight_version: int | None = None,
+        *,
+        abort_all_requests: bool = False,
+    ) -> UpdateWeightFromDiskReqOutput:
+        """Load new weights from a model folder on the engine's disk.
+
+        `weight_version` is sent as a string (SGLang's type). Without it, omniloop's engine
+        increments its version and SGLang keeps its current one, so pass it when the caller
+        tracks versions. Raises `EngineHTTPError` when the engine reports failure.
+        """
+        body: dict[str, Any] = {"model_path": str(path), "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        response = self._check(
+            "/update_weights_from_disk", await self._send("POST", "/update_weights_from_disk", body)
+        )
+        result = UpdateWeightFromDiskReqOutput.model_validate(response.json())
+        if not result.success:
+            raise EngineHTTPError("/update_weights_from_disk", response.status_code, response.text)
+        return result
+
+    async def pause_generation(
+        self, mode: Literal["abort", "retract", "in_place"] = "in_place"
+    ) -> None:
+        """Stop decoding. `in_place` (default here) keeps running requests for later;
+        `abort` ends them with `finish_reason` abort (SGLang's default when no body is sent)."""
+        self._check(
+            "/pause_generation", await self._send("POST", "/pause_generation", {"mode": mode})
+        )
+
+    async def continue_generation(self) -> None:
+        """Resume after `pause_generation`."""
+        self._check("/continue_generation", await self._send("POST", "/continue_generation", {}))

@@ -1,0 +1,705 @@
+"""The CPU engine's generation core: continuous batching over a slot-based KV cache.
+
+One scheduler thread owns the model, the KV cache and the tokenizer. Each iteration it applies
+control requests (pause, continue, weight updates), admits waiting requests into free slots and
+prefills them in one packed forward, then decodes one token for every active sequence in one
+batched forward. A sequence leaves the batch as soon as it finishes; its slot is refilled by the
+next waiting request on the following iteration. Callers talk to the thread through
+`concurrent.futures.Future`s, so the HTTP server's event loop never runs torch code.
+
+Contracts:
+- Greedy at temperature 0 (below 1e-6, as SGLang); otherwise temperature, then top-k, then
+  top-p, sampled with a per-request `torch.Generator` seeded from `seed` (same seed, same
+  prompt, same weights: same tokens).
+- Logprobs are of the sampled token under the raw model distribution (temperature 1, no top-k
+  or top-p truncation): `log_softmax(logits)[token]`, the quantity a trainer scoring at
+  temperature 1 recomputes. (SGLang can also return processed-distribution logprobs; not here.)
+- Stop order after each sampled token: an EOS id (unless `ignore_eos`) or a `stop_token_ids`
+  id (the token is kept in `output_ids`), then a stop string found in the decoded tail, then
+  `max_new_tokens`, then the context length. SGLang checks `max_new_tokens` first; here a
+  stop token that is also the last allowed token reports `stop`, which is the more useful fact.
+- Weight versions: a weight update never lands while a sequence is being decoded. The update
+  stops admission, lets active sequences finish (or aborts them when asked), swaps the weights
+  and bumps the version; only then are waiting requests admitted. So every result was sampled
+  by exactly one version, reported in `GenerationResult.weight_version`. Per-token versions
+  are not implemented.
+
+Not covered: prefix caching (there is nothing to flush), chunked prefill (a prompt is prefilled
+in one forward), preemption, multiple samples per request (`n`), penalties, grammars.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+from pydantic import Field
+
+from omniloop.config import StrictModel
+from omniloop.errors import ConfigError, EngineError
+from omniloop.inference.llama import (
+    KVCache,
+    LlamaConfig,
+    LlamaModel,
+    LlamaWeights,
+    load_weights,
+    read_safetensors,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+GREEDY_EPS = 1e-6
+"""Temperatures below this are greedy (SGLang's threshold)."""
+
+PauseMode = Literal["abort", "retract", "in_place"]
+FinishType = Literal["stop", "length", "abort"]
+
+
+def available_cores() -> int:
+    """Cores this process may run on (the affinity mask, not the machine's total)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class EngineConfig(StrictModel):
+    """How to run omniloop's CPU engine (`omniloop engine serve`)."""
+
+    model: str = "tiny"
+    """`smollm2`, `tiny`, or a path to a Hugging Face Llama folder with safetensors."""
+    host: str = "127.0.0.1"
+    """Interface the HTTP server binds."""
+    port: int = Field(default=30000, ge=0, le=65535)
+    """TCP port of the HTTP server; 0 picks a free one (the ready line prints it)."""
+    threads: int | None = Field(default=None, ge=1)
+    """torch intra-op threads for the forward passes; None uses every core of the affinity mask."""
+    max_batch: int = Field(default=32, ge=1)
+    """Most sequences decoded together (KV cache slots)."""
+    max_context: int | None = Field(default=None, ge=2)
+    """Most tokens per sequence, prompt included; None: the model's limit, capped at 4096."""
+    prefill_tokens: int = Field(default=2048, ge=1)
+    """Most prompt tokens packed into one prefill forward (a longer prompt runs alone)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt to complete. Field meanings follow SGLang's `sampling_params`."""
+
+    input_ids: list[int]
+    rid: str = ""
+    max_new_tokens: int | None = 128
+    """None: until a stop condition or the context is full."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 (or 0) keeps the whole vocabulary."""
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Seed of this request's sampling generator; None draws a random one."""
+    skip_special_tokens: bool = True
+    """Only for `GenerationResult.text`."""
+    no_stop_trim: bool = False
+    """Keep a matched stop string at the end of `GenerationResult.text`."""
+    token_texts: bool = False
+    """Also decode each output token on its own (`GenerationResult.token_texts`)."""
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What came of one `GenerationRequest`."""
+
+    rid: str
+    output_ids: list[int]
+    """Sampled ids, verbatim, including a matched stop or EOS token."""
+    output_logprobs: list[float]
+    """Raw-distribution logprob of each sampled id (see the module docstring)."""
+    finish_type: FinishType
+    matched: int | str | None
+    """The stop token id or stop string for `stop`; None otherwise."""
+    finish_message: str | None
+    """Why a request was aborted."""
+    prompt_tokens: int
+    weight_version: int
+    """The version of the weights that sampled every token of this result."""
+    text: str
+    """The output decoded (special tokens per the request; a matched stop string trimmed)."""
+    token_texts: list[str] | None
+    e2e_latency: float
+    """Seconds from submission to the result."""
+
+
+@dataclass(frozen=True)
+class WeightUpdateResult:
+    """Outcome of a weight update applied by the scheduler."""
+
+    weight_version: int
+    num_aborted: int
+    """Requests aborted because the update asked for `abort_all_requests`."""
+    num_waiting: int
+    """Requests that were held in the queue while the weights changed."""
+
+
+@dataclass
+class _Sequence:
+    req: GenerationRequest
+    future: concurrent.futures.Future[GenerationResult]
+    submitted: float
+    generator: torch.Generator | None = None
+    slot: int = -1
+    cached: int = 0
+    """Tokens whose keys/values are in the cache (the next decode position)."""
+    version: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: tuple[FinishType, int | str | None, str | None] | None = None
+
+
+@dataclass
+class _Update:
+    named: list[tuple[str, torch.Tensor]]
+    version: int | None
+    abort_all: bool
+    keep_pause: bool
+    future: concurrent.futures.Future[WeightUpdateResult]
+
+
+def _resolve(future: concurrent.futures.Future[GenerationResult], result: GenerationResult) -> None:
+    # The caller may have given up (HTTP client gone): its future is cancelled, not resolvable.
+    if not future.done():
+        future.set_result(result)
+
+
+class EngineCore:
+    """A Llama model behind a continuous-batching scheduler thread.
+
+    Thread-safe: `submit`, `pause`, `resume`, `update_weights` and `shutdown` may be called
+    from any thread; all torch work happens on the scheduler thread started by `start`.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        max_batch: int = 32,
+        max_context: int | None = None,
+        threads: int | None = None,
+        prefill_tokens: int = 2048,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
+        """Load the model folder's weights and tokenizer; see `EngineConfig` for the knobs.
+
+        `max_context` is capped at the model's `max_position_embeddings` (default: that, at
+        most 4096). The scheduler thread sets torch's thread count to `threads`, which in
+        torch is process-wide.
+        """
+        from transformers import AutoTokenizer
+
+        self.model_path = Path(model_path)
+        self.config = LlamaConfig.from_folder(self.model_path)
+        limit = self.config.max_position_embeddings
+        self.max_context = min(max_context or min(limit, 4096), limit)
+        self.max_batch = max_batch
+        self.threads = threads or available_cores()
+        self.prefill_tokens = prefill_tokens
+        self.weights: LlamaWeights = load_weights(self.model_path, self.config)
+        self.model = LlamaModel(self.weights, self.max_context)
+        self.cache = KVCache(self.config, max_batch, self.max_context)
+        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.model_path)
+        self._weight_version = 0
+        self._cv = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._active: list[_Sequence] = []
+        self._controls: deque[Callable[[], None]] = deque()
+        self._updates: deque[_Update] = deque()
+        self._paused = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.forward_passes = 0
+        """Forward passes completed so far (a liveness signal for health checks)."""
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights now loaded (0 at start)."""
+        return self._weight_version
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def is_alive(self) -> bool:
+        """Whether the scheduler thread is running and has not crashed."""
+        return self._thread is not None and self._thread.is_alive() and self._failure is None
+
+    def start(self) -> None:
+        """Start the scheduler thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="omniloop-engine-scheduler", daemon=True
+            )
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the scheduler; requests still queued or running fail with `EngineError`."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        # Controls queued after the last iteration only flip flags or abort; run them here so
+        # their callers are answered.
+        while self._controls:
+            self._controls.popleft()()
+        error = EngineError("the engine is shutting down")
+        for seq in [*self._active, *self._waiting]:
+            if not seq.future.done():
+                seq.future.set_exception(error)
+        for update in self._updates:
+            if not update.future.done():
+                update.future.set_exception(error)
+        self._active.clear()
+        self._waiting.clear()
+        self._updates.clear()
+
+    def validate(self, req: GenerationRequest) -> None:
+        """Raise `ValueError` with the reason if `req` cannot run on this engine."""
+        n = len(req.input_ids)
+        if n == 0:
+            raise ValueError("input_ids cannot be empty")
+        if n >= self.max_context:
+            raise ValueError(
+                f"the input ({n} tokens) is longer than the engine's context length "
+                f"({self.max_context} tokens, prompt and output together)"
+            )
+        bad = next((t for t in req.input_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"input_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
+        if req.max_new_tokens is not None and req.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {req.max_new_tokens}")
+
+    def submit(self, req: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
+        """Queue `req` (validated first: `ValueError`); the future resolves to its result.
+
+        Cancelling the future drops the request at the scheduler's next iteration.
+        """
+        self.validate(req)
+        if self._stopping:
+            raise EngineError("the engine is shutting down")
+        if self._failure is not None:
+            raise EngineError(f"the engine scheduler crashed: {self._failure!r}")
+        future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+        seq = _Sequence(req=req, future=future, submitted=time.perf_counter())
+        with self._cv:
+            self._waiting.append(seq)
+            self._cv.notify_all()
+        return future
+
+    def pause(self, mode: PauseMode = "in_place") -> concurrent.futures.Future[int]:
+        """Stop scheduling forward passes; resolves (to the number aborted) once in effect.
+
+        `in_place` and `retract` keep running sequences (their KV cache stays) to resume on
+        `resume`; `abort` finishes every running and waiting request with `abort`.
+        Requests submitted while paused wait in the queue.
+        """
+
+        def apply() -> int:
+            self._paused = True
+            if mode == "abort":
+                return self._abort_all("generation aborted by pause_generation")
+            return 0
+
+        return self._control(apply)
+
+    def resume(self) -> concurrent.futures.Future[int]:
+        """Undo `pause`; resolves once the scheduler runs again."""
+
+        def apply() -> int:
+            self._paused = False
+            return 0
+
+        return self._control(apply)
+
+    def update_weights(
+        self,
+        named: Sequence[tuple[str, torch.Tensor]],
+        *,
+        version: int | None = None,
+        abort_all: bool = False,
+        keep_pause: bool = False,
+        full: bool = False,
+    ) -> concurrent.futures.Future[WeightUpdateResult]:
+        """Replace weights (Hugging Face names) between sequences, and set the version.
+
+        Shapes and names are checked here, before anything changes (`ConfigError`); with
+        `full` every weight must be given. The scheduler then stops admitting requests, waits
+        for running sequences to finish (or aborts them with `abort_all`), copies the tensors
+        in, and sets the version to `version` or, when None, to the current one plus 1. If
+        generation is paused with sequences in flight (and not `abort_all`), the update fails
+        with `EngineError` rather than wait for a `resume` that cannot come first.
+        """
+        self.weights.check(named, full=full)
+        future: concurrent.futures.Future[WeightUpdateResult] = concurrent.futures.Future()
+        with self._cv:
+            self._updates.append(_Update(list(named), version, abort_all, keep_pause, future))
+            self._cv.notify_all()
+        return future
+
+    def update_weights_from_disk(
+        self,
+        model_path: str | Path,
+        *,
+        version: int | None = None,
+        abort_all: bool = False,
+        keep_pause: bool = False,
+    ) -> concurrent.futures.Future[WeightUpdateResult]:
+        """Load a model folder's safetensors (same architecture) as a full weight update.
+
+        Reads the files on the calling thread, so the scheduler only pauses for the copy.
+        Raises `ConfigError` if the folder's model does not have this model's shapes.
+        """
+        folder = Path(model_path)
+        other = LlamaConfig.from_folder(folder)
+        if not self.config.same_shapes(other):
+            raise ConfigError(
+                f"{folder} holds a model of another shape than the one served "
+                f"({other} vs {self.config})"
+            )
+        state = read_safetensors(folder)
+        named = [(n, t) for n, t in state.items() if not n.endswith("rotary_emb.inv_freq")]
+        return self.update_weights(
+            named, version=version, abort_all=abort_all, keep_pause=keep_pause, full=True
+        )
+
+    def decode_text(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of `ids`."""
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str)
+        return text
+
+    # -- scheduler thread -------------------------------------------------------------------
+
+    def _control(self, fn: Callable[[], int]) -> concurrent.futures.Future[int]:
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except BaseException as err:
+                future.set_exception(err)
+
+        with self._cv:
+            self._controls.append(run)
+            self._cv.notify_all()
+        return future
+
+    def _has_work(self) -> bool:
+        if self._controls or self._updates:
+            return True
+        return not self._paused and bool(self._active or self._waiting)
+
+    def _run(self) -> None:
+        # Process-wide in torch: an in-process core also sets the caller's thread count.
+        torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cv:
+                        while not self._stopping and not self._has_work():
+                            self._cv.wait()
+                        if self._stopping:
+                            return
+                        controls = list(self._controls)
+                        self._controls.clear()
+                    for control in controls:
+                        control()
+                    self._drop_cancelled()
+                    if self._updates and not self._apply_update():
+                        # Draining for an update: finish what runs, admit nothing new.
+                        if not self._paused and self._active:
+                            self._guarded(self._decode_step, self._active)
+                        continue
+                    if self._paused:
+                        continue
+                    admitted = self._admit()
+                    if admitted:
+                        self._guarded(self._prefill, admitted)
+                    if self._active:
+                        self._guarded(self._decode_step, self._active)
+        except BaseException as err:  # a bug: fail loudly, and let /health report it
+            log.exception("engine scheduler crashed")
+            self._failure = err
+            failure = EngineError(f"engine scheduler crashed: {err!r}")
+            with self._cv:
+                pending = [*self._active, *self._waiting]
+            for seq in pending:
+                if not seq.future.done():
+                    seq.future.set_exception(failure)
+
+    def _guarded(self, step: Callable[[list[_Sequence]], None], seqs: list[_Sequence]) -> None:
+        """Run a forward step; if it raises, fail those sequences and keep the engine up."""
+        try:
+            step(seqs)
+            self.forward_passes += 1
+        except Exception as err:
+            log.exception("forward step failed")
+            failed = list(seqs)
+            error = EngineError(f"forward pass failed: {err!r}")
+            for seq in failed:
+                if not seq.future.done():
+                    seq.future.set_exception(error)
+            active = [s for s in self._active if s not in failed]
+            self._active = []
+            for seq in active:  # repack the survivors at the front of the cache
+                self._place(seq)
+
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            if any(s.future.cancelled() for s in self._waiting):
+                self._waiting = deque(s for s in self._waiting if not s.future.cancelled())
+        gone = [i for i, s in enumerate(self._active) if s.future.cancelled()]
+        for i in reversed(gone):
+            self._remove(i)
+
+    def _abort_all(self, message: str) -> int:
+        with self._cv:
+            victims = [*self._active, *self._waiting]
+            self._waiting.clear()
+        for seq in victims:
+            seq.finish = ("abort", None, message)
+            self._deliver(seq)
+        self._active = []
+        return len(victims)
+
+    def _apply_update(self) -> bool:
+        """Apply the first pending update if no sequence is running; True when done."""
+        update = self._updates[0]
+        aborted = 0
+        if update.abort_all:
+            aborted = self._abort_all("generation aborted for a weight update")
+        if self._active:
+            if not self._paused:
+                return False
+            self._updates.popleft()
+            update.future.set_exception(
+                EngineError(
+                    f"generation is paused with {len(self._active)} requests in flight; "
+                    "continue generation first, pause with mode=abort, or pass "
+                    "abort_all_requests=true"
+                )
+            )
+            return False
+        self._updates.popleft()
+        try:
+            self.weights.load(update.named)
+        except Exception as err:
+            update.future.set_exception(EngineError(f"weight update failed: {err!r}"))
+            return not self._updates
+        self._weight_version = (
+            update.version if update.version is not None else self._weight_version + 1
+        )
+        if update.keep_pause:
+            self._paused = True
+        update.future.set_result(
+            WeightUpdateResult(self._weight_version, aborted, len(self._waiting))
+        )
+        return not self._updates
+
+    def _admit(self) -> list[_Sequence]:
+        """Take waiting requests into free slots, within the prefill token budget."""
+        admitted: list[_Sequence] = []
+        budget = self.prefill_tokens
+        with self._cv:
+            while self._waiting and len(self._active) + len(admitted) < self.max_batch:
+                seq = self._waiting[0]
+                n = len(seq.req.input_ids)
+                if admitted and n > budget:
+                    break
+                self._waiting.popleft()
+                seq.version = self._weight_version
+                if seq.req.max_new_tokens == 0:
+                    seq.finish = ("length", None, None)
+                    self._deliver(seq)
+                    continue
+                budget -= n
+                admitted.append(seq)
+        return admitted
+
+    def _place(self, seq: _Sequence) -> None:
+        """Append `seq` to the active batch; its slot is its index (the batch stays packed)."""
+        if seq.slot >= 0 and seq.slot != len(self._active):
+            self.cache.move(seq.slot, len(self._active), seq.cached)
+        seq.slot = len(self._active)
+        self._active.append(seq)
+
+    def _remove(self, index: int) -> None:
+        """Take the sequence at `index` out, moving the last one into its slot."""
+        last = self._active.pop()
+        if index < len(self._active):
+            self.cache.move(last.slot, index, last.cached)
+            last.slot = index
+            self._active[index] = last
+
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        base = len(self._active)
+        slots = list(range(base, base + len(seqs)))
+        logits = self.model.prefill(self.cache, slots, [s.req.input_ids for s in seqs])
+        for seq, slot in zip(seqs, slots, strict=True):
+            seq.slot = slot
+            seq.cached = len(seq.req.input_ids)
+            seq.generator = self._generator(seq.req)
+        self._active.extend(seqs)
+        self._sample_and_finish(logits, seqs)
+
+    def _decode_step(self, seqs: list[_Sequence]) -> None:
+        tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long)
+        positions = torch.tensor([s.cached for s in seqs], dtype=torch.long)
+        logits = self.model.decode(self.cache, tokens, positions)
+        for seq in seqs:
+            seq.cached += 1
+        self._sample_and_finish(logits, seqs)
+
+    def _sample_and_finish(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
+        tokens, logprobs = sample(logits, [s.req for s in seqs], [s.generator for s in seqs])
+        done = []
+        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.finish = self._check_finish(seq)
+            if seq.finish is not None:
+                done.append(seq)
+        for seq in done:
+            self._remove(self._active.index(seq))
+            self._deliver(seq)
+
+    def _check_finish(self, seq: _Sequence) -> tuple[FinishType, int | str | None, None] | None:
+        req = seq.req
+        token = seq.output_ids[-1]
+        if (not req.ignore_eos and token in self.config.eos_token_ids) or (
+            token in req.stop_token_ids
+        ):
+            return ("stop", token, None)
+        if req.stop:
+            matched = self._match_stop(seq.output_ids, req.stop)
+            if matched is not None:
+                return ("stop", matched, None)
+        if req.max_new_tokens is not None and len(seq.output_ids) >= req.max_new_tokens:
+            return ("length", None, None)
+        if len(req.input_ids) + len(seq.output_ids) >= self.max_context:
+            return ("length", None, None)
+        return None
+
+    def _match_stop(self, output_ids: list[int], stops: Sequence[str]) -> str | None:
+        # Each token decodes to at least one byte, so a window of (longest stop in bytes + 2)
+        # tokens covers any match that ends in the newest token; earlier matches would have
+        # stopped the sequence at an earlier step.
+        window = max(len(s.encode()) for s in stops) + 2
+        tail = self.decode_text(output_ids[-window:], skip_special_tokens=False)
+        return next((s for s in stops if s in tail), None)
+
+    def _generator(self, req: GenerationRequest) -> torch.Generator | None:
+        if req.temperature < GREEDY_EPS:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(req.seed if req.seed is not None else secrets.randbits(63))
+        return gen
+
+    def _deliver(self, seq: _Sequence) -> None:
+        assert seq.finish is not None
+        kind, matched, message = seq.finish
+        req = seq.req
+        text = self.decode_text(seq.output_ids, skip_special_tokens=req.skip_special_tokens)
+        if kind == "stop" and isinstance(matched, str) and not req.no_stop_trim:
+            cut = text.find(matched)
+            text = text[:cut] if cut >= 0 else text
+        token_texts = (
+            [self.decode_text([t], False) for t in seq.output_ids] if req.token_texts else None
+        )
+        _resolve(
+            seq.future,
+            GenerationResult(
+                rid=req.rid,
+                output_ids=list(seq.output_ids),
+                output_logprobs=list(seq.logprobs),
+                finish_type=kind,
+                matched=matched,
+                finish_message=message,
+                prompt_tokens=len(req.input_ids),
+                weight_version=seq.version,
+                text=text,
+                token_texts=token_texts,
+                e2e_latency=time.perf_counter() - seq.submitted,
+            ),
+        )
+
+
+def sample(
+    logits: torch.Tensor,
+    reqs: Sequence[GenerationRequest],
+    generators: Sequence[torch.Generator | None],
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row of `logits` [B, vocab]; return the ids and raw logprobs.
+
+    Greedy rows take the argmax (the first one on ties). Sampled rows divide by temperature,
+    keep the top-k, then the smallest set whose probability reaches top-p, and draw with the
+    row's generator.
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    for i, (req, gen) in enumerate(zip(reqs, generators, strict=True)):
+        if req.temperature < GREEDY_EPS:
+            continue
+        row = logits[i] / req.temperature
+        if 0 < req.top_k < vocab:
+            kth = torch.topk(row, req.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if req.top_p < 1.0:
+            sorted_row, order = torch.sort(row, descending=True)
+            probs = torch.softmax(sorted_row, dim=-1)
+            # Drop a token when the tokens ranked above it already reach top_p.
+            drop = (torch.cumsum(probs, dim=-1) - probs) > req.top_p
+            row = torch.full_like(row, float("-inf")).scatter(
+                0, order, sorted_row.masked_fill(drop, float("-inf"))
+            )
+        probs = torch.softmax(row, dim=-1)
+        tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens.tolist(), chosen.tolist()
+
+
+def build_core(config: EngineConfig) -> EngineCore:
+    """Resolve `config.model` and load it into an `EngineCore` (not started)."""
+    from omniloop.inference.models import resolve_model
+
+    return EngineCore(
+        resolve_model(config.model),
+        max_batch=config.max_batch,
+        max_context=config.max_context,
+        threads=config.threads,
+        prefill_tokens=config.prefill_tokens,
+    )

@@ -1,0 +1,458 @@
+"""SGLang's native HTTP API as pydantic models: the wire contract of omniloop's CPU engine.
+
+Names, defaults and response shapes follow SGLang's `io_struct.py` (`GenerateReqInput`,
+`UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
+`UpdateWeightsFromDistributedReqInput`, `PauseGenerationReqInput`,
+`ContinueGenerationReqInput`), `sampling_params.py` and `http_server.py`, so `EngineClient`
+talks to real SGLang and to this engine alike.
+
+Where this engine differs, it says so instead of guessing:
+- Tokens in, tokens out: `text` and `input_embeds` prompts are rejected (send `input_ids`).
+- A field SGLang accepts but this engine does not implement is rejected with 400, unless it is
+  sent with its neutral value (`stream: false`, `n: 1`, `repetition_penalty: 1.0`, ...).
+- `weight_version` is a string in SGLang's JSON; here it always holds an integer counter
+  ("0" at start). An update without `weight_version` increments it; SGLang leaves it as is.
+- `meta_info.output_token_logprobs` holds `[logprob, token_id, text|None]` triples for the
+  output tokens only; input logprobs and top-k logprobs are not implemented.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+ENGINE_NAME = "omniloop's CPU engine"
+
+# SGLang fields accepted only with these neutral values (anything else is not implemented).
+_NEUTRAL_SAMPLING: dict[str, Any] = {
+    "n": 1,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "stop_regex": None,
+    "logit_bias": None,
+    "custom_params": None,
+    "stream_interval": None,
+    "spaces_between_special_tokens": True,
+}
+_NEUTRAL_GENERATE: dict[str, Any] = {
+    "stream": False,
+    "logprob_start_len": -1,
+    "top_logprobs_num": 0,
+    "token_ids_logprob": None,
+    "return_hidden_states": False,
+    "return_routed_experts": False,
+    "return_entropy": False,
+    "return_prompt_token_ids": False,
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "lora_path": None,
+    "custom_logit_processor": None,
+    "session_params": None,
+}
+# SGLang fields that only steer its logging: accepted with any value.
+_IGNORED_GENERATE = ("log_metrics", "no_logs")
+
+
+def _same_value(value: Any, neutral: Any) -> bool:
+    if isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    return bool(value == neutral)
+
+
+def _strip_neutral(data: Any, neutral: dict[str, Any], where: str) -> Any:
+    """Remove neutral-valued SGLang extras; raise `ValueError` naming non-neutral ones."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    bad = []
+    for key, value in neutral.items():
+        if key in data:
+            if _same_value(data[key], value):
+                del data[key]
+            else:
+                bad.append(f"{key}={data[key]!r} (only {value!r} is supported)")
+    if bad:
+        raise ValueError(f"{where} not implemented by {ENGINE_NAME}: {'; '.join(bad)}")
+    return data
+
+
+class _Wire(BaseModel):
+    """A request body: strict types, unknown fields rejected."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+
+
+class SamplingParamsInput(_Wire):
+    """`sampling_params` of `/generate`, SGLang's names and defaults."""
+
+    max_new_tokens: int | None = Field(default=128, ge=0)
+    """Most tokens to sample; null: until a stop condition or the context is full."""
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    """Below 1e-6 is greedy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    """-1 for the whole vocabulary, else at least 1."""
+    stop: str | list[str] | None = None
+    """Stop once the decoded output contains one of these strings."""
+    stop_token_ids: list[int] | None = None
+    """Stop when one of these ids is sampled (it is kept in `output_ids`)."""
+    ignore_eos: bool = False
+    """Do not stop on the model's EOS ids (benchmarks of fixed length)."""
+    sampling_seed: int | None = None
+    """Seed of this request's sampler; the same seed gives the same tokens."""
+    skip_special_tokens: bool = True
+    """Only affects `text`."""
+    no_stop_trim: bool = False
+    """Keep a matched stop string at the end of `text`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        data = _strip_neutral(data, _NEUTRAL_SAMPLING, "sampling_params")
+        if isinstance(data, dict):
+            # SGLang reads null as "use the default" for every field but max_new_tokens.
+            data = {k: v for k, v in data.items() if v is not None or k == "max_new_tokens"}
+        return data
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v != -1 and v < 1:
+            raise ValueError(f"top_k must be -1 (whole vocabulary) or at least 1, got {v}")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings cannot be empty")
+        return v
+
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+class GenerateReqInput(_Wire):
+    """Body of `/generate`: one prompt (`input_ids: list[int]`) or a batch (`list[list[int]]`)."""
+
+    input_ids: list[int] | list[list[int]] | None = None
+    """Prompt token ids; a list of lists is a batch and gets a list of results back."""
+    text: str | list[str] | None = None
+    """Not supported (tokens in): rejected with a message."""
+    sampling_params: SamplingParamsInput | list[SamplingParamsInput] | None = None
+    """One for all prompts, or one per prompt of a batch."""
+    return_logprob: bool | list[bool] | None = None
+    """Add `meta_info.output_token_logprobs`."""
+    return_text_in_logprobs: bool = False
+    """Fill the text slot of each logprob triple with the token's text."""
+    rid: str | list[str] | None = None
+    """Request id(s), echoed as `meta_info.id`; a string is suffixed `_i` in a batch."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral(cls, data: Any) -> Any:
+        data = _strip_neutral(data, _NEUTRAL_GENERATE, "request fields")
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in _IGNORED_GENERATE}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateReqInput:
+        if self.text is not None:
+            raise ValueError(
+                f"text prompts are not supported: {ENGINE_NAME} is tokens-in, tokens-out; "
+                "tokenize with the model's tokenizer and send input_ids"
+            )
+        if self.input_ids is None:
+            raise ValueError("input_ids is required")
+        if len(self.input_ids) == 0:
+            raise ValueError("input_ids cannot be empty")
+        if self.is_batch:
+            n = len(self.input_ids)
+            if any(len(p) == 0 for p in self.batch_input_ids()):
+                raise ValueError("every prompt of a batch needs at least one token")
+            for name in ("sampling_params", "return_logprob", "rid"):
+                value = getattr(self, name)
+                if isinstance(value, list) and len(value) != n:
+                    raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
+        else:
+            for name in ("sampling_params", "return_logprob", "rid"):
+                if isinstance(getattr(self, name), list):
+                    raise ValueError(f"{name} is a list but input_ids is a single prompt")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)  # type: ignore[index]
+
+    def batch_input_ids(self) -> list[list[int]]:
+        """The prompts as a batch (a single prompt becomes a batch of one)."""
+        assert self.input_ids is not None
+        if self.is_batch:
+            return [list(p) for p in self.input_ids]  # type: ignore[arg-type]
+        return [list(self.input_ids)]  # type: ignore[arg-type]
+
+    def item_sampling(self, i: int) -> SamplingParamsInput:
+        sp = self.sampling_params
+        if isinstance(sp, list):
+            return sp[i]
+        return sp if sp is not None else SamplingParamsInput()
+
+    def item_return_logprob(self, i: int) -> bool:
+        rl = self.return_logprob
+        return bool(rl[i] if isinstance(rl, list) else rl)
+
+    def item_rid(self, i: int, fallback: str) -> str:
+        if isinstance(self.rid, list):
+            return self.rid[i]
+        if self.rid is None:
+            return fallback
+        return f"{self.rid}_{i}" if self.is_batch else self.rid
+
+
+class FinishReason(BaseModel):
+    """`meta_info.finish_reason`: `{type: stop, matched: id|str}`, `{type: length, length: n}`,
+    or `{type: abort, message: ...}`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class GenerateMetaInfo(BaseModel):
+    """`meta_info` of a `/generate` result (SGLang sends more keys; they are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | int | None = None
+    """The weight version that sampled this result; an integer counter as a string here."""
+    e2e_latency: float | None = None
+    output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
+    """`[logprob, token_id, text|None]` per output token, when `return_logprob`."""
+
+
+class GenerateResponse(BaseModel):
+    """One `/generate` result. `output_ids` are the sampled ids, verbatim."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str = ""
+    output_ids: list[int] | None = None
+    meta_info: GenerateMetaInfo
+
+
+class UpdateWeightFromDiskReqInput(_Wire):
+    """Body of `/update_weights_from_disk`."""
+
+    model_path: str
+    """A Hugging Face folder with a model of the same architecture."""
+    load_format: Literal["auto", "safetensors"] | None = None
+    abort_all_requests: bool = False
+    """Abort running and waiting requests instead of letting running ones finish first."""
+    weight_version: str | int | None = None
+    """Integer version to set; omitted: the current version plus one."""
+    keep_pause: bool = False
+    """Stay paused after the update (until `/continue_generation`)."""
+    flush_cache: bool = True
+    """No prefix cache here: any value is accepted."""
+    torch_empty_cache: bool = False
+    """GPU memory hint; no effect on CPU."""
+    recapture_cuda_graph: bool = False
+    """GPU only; no effect on CPU."""
+    is_async: Literal[False] = False
+    token_step: Literal[0] = 0
+    manifest: None = None
+    rid: str | None = None
+
+    @field_validator("weight_version")
+    @classmethod
+    def _version(cls, v: str | int | None) -> str | int | None:
+        if v is not None and parse_weight_version(v) is None:
+            raise ValueError(
+                f"weight_version must be an integer (as a number or a string), got {v!r}"
+            )
+        return v
+
+
+class UpdateWeightFromDiskReqOutput(BaseModel):
+    """Answer of `/update_weights_from_disk` (HTTP 200 on success, 400 otherwise)."""
+
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class InitWeightsUpdateGroupReqInput(_Wire):
+    """Body of `/init_weights_update_group`: join a trainer's weight-broadcast group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+    rid: str | None = None
+
+
+class UpdateWeightsFromDistributedReqInput(_Wire):
+    """Body of `/update_weights_from_distributed`: receive one bucket of broadcast tensors."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | int | None = None
+    load_format: str | None = None
+    torch_empty_cache: bool = False
+    rid: str | None = None
+
+
+class SuccessMessage(BaseModel):
+    """`{success, message}`: the answer of SGLang's weight-group endpoints."""
+
+    success: bool
+    message: str
+
+
+class PauseGenerationReqInput(_Wire):
+    """Body of `/pause_generation` (optional). SGLang's default mode is `abort`.
+
+    `abort`: finish every running and waiting request with `finish_reason.type == "abort"`
+    (partial output returned). `in_place`: stop decoding; running requests keep their KV cache
+    and resume on `/continue_generation`. `retract`: same as `in_place` here (on SGLang the
+    requests go back to the queue and are recomputed).
+    """
+
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+    rid: str | None = None
+
+
+class ContinueGenerationReqInput(_Wire):
+    """Body of `/continue_generation` (optional)."""
+
+    torch_empty_cache: bool = True
+    """GPU memory hint; no effect on CPU."""
+    rid: str | None = None
+
+
+class StatusMessage(BaseModel):
+    """`{message, status}`: the answer of `/pause_generation` and `/continue_generation`."""
+
+    message: str
+    status: str = "ok"
+
+
+class ModelInfo(BaseModel):
+    """Answer of `/get_model_info`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: str | dict[str, Any] | None = None
+    weight_version: str | int | None = None
+    model_type: str | None = None
+    architectures: list[str] | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Body of a 4xx/5xx answer, as SGLang's `ErrorResponse`."""
+
+    object: str = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+def parse_weight_version(value: object) -> int | None:
+    """An integer weight version from SGLang's string (or a number); None if not one.
+
+    SGLang's default version is the string "default", which reads as 0.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        s = value.strip()
+        if s == "default":
+            return 0
+        if s.lstrip("-").isdigit():
+            return int(s)
+    return None
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic names a union member in `loc` by its type: `list[int]`, `SamplingParamsInput`.
+    return isinstance(part, str) and (
+        part[:1].isupper() or "[" in part or part in ("bool", "int", "float", "str", "none")
+    )
+
+
+def _branch_score(errs: list[Any], depth: int) -> tuple[bool, int, int]:
+    mismatch = [str(x.get("type", "")).endswith("_type") for x in errs]
+    # A member whose root type does not even match (a dict given, a list expected) is the
+    # least likely one the client meant.
+    root = any(m and len(x["loc"]) == depth for m, x in zip(mismatch, errs, strict=True))
+    return root, len(errs), sum(mismatch)
+
+
+def _pick_union_branch(errors: list[Any]) -> list[Any]:
+    """Keep, per union-typed field, only the errors of the member the input most resembles.
+
+    pydantic reports every member's errors; the member whose root type matches, then with the
+    fewest errors, then the fewest plain type mismatches, is the one the client meant.
+    """
+    branches: dict[tuple[Any, ...], dict[str, list[Any]]] = {}
+    plain: list[Any] = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        tag_at = next((i for i, p in enumerate(loc) if _is_union_tag(p)), None)
+        if tag_at is None:
+            plain.append(e)
+        else:
+            branches.setdefault(loc[:tag_at], {}).setdefault(loc[tag_at], []).append(e)
+    for prefix, members in branches.items():
+        plain.extend(min(members.values(), key=partial(_branch_score, depth=len(prefix) + 1)))
+    return plain
+
+
+def format_validation_errors(errors: list[Any]) -> str:
+    """One line per pydantic error: `field.path: reason`, with our wording for unknown keys."""
+    lines = []
+    for e in _pick_union_branch(errors):
+        loc = [str(p) for p in e.get("loc", ()) if p != "body" and not _is_union_tag(p)]
+        where = ".".join(loc) or "body"
+        kind = e.get("type")
+        if kind == "extra_forbidden":
+            lines.append(f"{where}: unknown field, or an SGLang field {ENGINE_NAME} lacks")
+        elif where == "body" and kind in ("model_attributes_type", "dict_type", "model_type"):
+            lines.append("body: must be a JSON object (send Content-Type: application/json)")
+        else:
+            msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
+            lines.append(f"{where}: {msg}")
+    return "; ".join(dict.fromkeys(lines))

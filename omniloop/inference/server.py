@@ -1,0 +1,245 @@
+"""The CPU engine's HTTP server: SGLang's native endpoints over an `EngineCore`.
+
+Endpoints (methods as SGLang's `http_server.py`):
+- `POST|PUT /generate`: `input_ids` single or batched → one result object or a list.
+- `GET /health`: 200 while the scheduler runs, 503 otherwise (cheap; no forward pass).
+- `GET /health_generate`: queues a 1-token greedy generation; 200 as soon as it, or any other
+  forward pass, completes; 503 if none does within 20 s. While generation is paused it only
+  checks that the scheduler is alive, since nothing runs until `/continue_generation`.
+- `GET /get_model_info`, `GET /get_weight_version`.
+- `GET|POST /flush_cache`: 200; there is no prefix cache, so nothing to flush.
+- `POST /update_weights_from_disk`: see `EngineCore.update_weights` for the guarantees.
+- `POST /pause_generation`, `POST /continue_generation`.
+
+Validation errors are answered with 400 and SGLang's `ErrorResponse` body, the message naming
+each bad field; a request the engine cannot serve (prompt too long, token id out of range)
+is also a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from omniloop.errors import ConfigError, EngineError
+from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
+from omniloop.inference.protocol import (
+    ContinueGenerationReqInput,
+    ErrorResponse,
+    FinishReason,
+    GenerateMetaInfo,
+    GenerateReqInput,
+    GenerateResponse,
+    ModelInfo,
+    PauseGenerationReqInput,
+    StatusMessage,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    format_validation_errors,
+    parse_weight_version,
+)
+
+log = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT = 20.0
+"""Seconds `/health_generate` waits for its token (SGLang's default)."""
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "BadRequest" if status < 500 else "InternalServerError"
+    body = ErrorResponse(message=message, type=kind, code=status)
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _to_request(body: GenerateReqInput, i: int, prompt: list[int]) -> GenerationRequest:
+    sp = body.item_sampling(i)
+    return GenerationRequest(
+        input_ids=prompt,
+        rid=body.item_rid(i, uuid.uuid4().hex),
+        max_new_tokens=sp.max_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        stop=tuple(sp.stop_list()),
+        stop_token_ids=tuple(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
+        seed=sp.sampling_seed,
+        skip_special_tokens=sp.skip_special_tokens,
+        no_stop_trim=sp.no_stop_trim,
+        token_texts=body.return_text_in_logprobs and body.item_return_logprob(i),
+    )
+
+
+def _to_response(result: GenerationResult, return_logprob: bool) -> dict[str, Any]:
+    if result.finish_type == "stop":
+        finish = FinishReason(type="stop", matched=result.matched)
+    elif result.finish_type == "length":
+        finish = FinishReason(type="length", length=len(result.output_ids))
+    else:
+        finish = FinishReason(type="abort", message=result.finish_message)
+    logprobs = None
+    if return_logprob:
+        texts: list[str | None] = (
+            list(result.token_texts) if result.token_texts else [None] * len(result.output_ids)
+        )
+        logprobs = list(zip(result.output_logprobs, result.output_ids, texts, strict=True))
+    response = GenerateResponse(
+        text=result.text,
+        output_ids=result.output_ids,
+        meta_info=GenerateMetaInfo(
+            id=result.rid,
+            finish_reason=finish,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=len(result.output_ids),
+            cached_tokens=0,
+            weight_version=str(result.weight_version),
+            e2e_latency=result.e2e_latency,
+            output_token_logprobs=logprobs,
+        ),
+    )
+    return response.model_dump(exclude_none=True)
+
+
+def create_app(core: EngineCore) -> FastAPI:
+    """The FastAPI app serving `core`; its lifespan starts and stops the scheduler thread."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        core.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(core.shutdown)
+
+    app = FastAPI(title="omniloop engine", lifespan=lifespan)
+    app.state.core = core
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(400, format_validation_errors(list(exc.errors())))
+
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(body: GenerateReqInput) -> Any:
+        prompts = body.batch_input_ids()
+        requests = [_to_request(body, i, p) for i, p in enumerate(prompts)]
+        try:
+            for req in requests:
+                core.validate(req)
+        except ValueError as err:
+            return _error(400, str(err))
+        try:
+            futures = [asyncio.wrap_future(core.submit(req)) for req in requests]
+        except EngineError as err:
+            return _error(503, str(err))
+        try:
+            results = await asyncio.gather(*futures)
+        except EngineError as err:
+            return _error(500, str(err))
+        finally:
+            # If this handler is cancelled (client gone), drop the requests from the batch.
+            for f in futures:
+                f.cancel()
+        out = [_to_response(r, body.item_return_logprob(i)) for i, r in enumerate(results)]
+        return out if body.is_batch else out[0]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if core.is_alive() else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not core.is_alive():
+            return Response(status_code=503)
+        if core.paused:
+            return Response(status_code=200)
+        bos = core.tokenizer.bos_token_id
+        req = GenerationRequest(
+            input_ids=[bos if bos is not None else 0],
+            rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
+            max_new_tokens=1,
+            temperature=0.0,
+        )
+        passes = core.forward_passes
+        future = asyncio.wrap_future(core.submit(req))
+        deadline = asyncio.get_running_loop().time() + HEALTH_GENERATE_TIMEOUT
+        try:
+            while asyncio.get_running_loop().time() < deadline:
+                done, _ = await asyncio.wait({future}, timeout=0.1)
+                if done:
+                    return Response(status_code=200 if future.exception() is None else 503)
+                # A busy engine may not reach the probe soon; any forward pass completed
+                # since it was queued shows the same thing (as SGLang's check does).
+                if core.forward_passes > passes:
+                    return Response(status_code=200)
+            return Response(status_code=503)
+        finally:
+            future.cancel()
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        info = ModelInfo(
+            model_path=str(core.model_path),
+            tokenizer_path=str(core.model_path),
+            is_generation=True,
+            preferred_sampling_params=None,
+            weight_version=str(core.weight_version),
+            model_type="llama",
+            architectures=["LlamaForCausalLM"],
+        )
+        return info.model_dump()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, str]:
+        return {"weight_version": str(core.weight_version)}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> PlainTextResponse:
+        return PlainTextResponse("Cache flushed (this engine keeps no prefix cache).\n")
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        version = parse_weight_version(body.weight_version)
+        try:
+            future = await asyncio.to_thread(
+                core.update_weights_from_disk,
+                body.model_path,
+                version=version,
+                abort_all=body.abort_all_requests,
+                keep_pause=body.keep_pause,
+            )
+            result = await asyncio.wrap_future(future)
+        except (ConfigError, EngineError, OSError) as err:
+            out = UpdateWeightFromDiskReqOutput(success=False, message=str(err))
+            return JSONResponse(out.model_dump(), status_code=400)
+        out = UpdateWeightFromDiskReqOutput(
+            success=True,
+            message=(
+                f"Succeeded to update model weights from {body.model_path}. "
+                f"Weight version updated to {result.weight_version}."
+            ),
+            num_paused_requests=result.num_waiting,
+        )
+        return JSONResponse(out.model_dump())
+
+    @app.post("/pause_generation")
+    async def pause_generation(body: PauseGenerationReqInput | None = None) -> dict[str, Any]:
+        mode = body.mode if body is not None else "abort"
+        await asyncio.wrap_future(core.pause(mode))
+        return StatusMessage(message="Generation paused successfully.").model_dump()
+
+    @app.post("/continue_generation")
+    async def continue_generation(
+        body: ContinueGenerationReqInput | None = None,
+    ) -> dict[str, Any]:
+        await asyncio.wrap_future(core.resume())
+        return StatusMessage(message="Generation continued successfully.").model_dump()
+
+    return app

@@ -1,0 +1,1 @@
+"""Alembic migrations of the run store; applied by `Store.migrate()`."""

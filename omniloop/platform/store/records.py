@@ -1,0 +1,108 @@
+"""What the run store hands back: immutable pydantic records, detached from any session.
+
+Records never hold a live database object, so they can cross threads, be cached, and be
+serialized by the REST layer without lazy loads firing against a closed session.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Generic, Literal, TypeVar, get_args
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omniloop.trajectory import Trajectory
+
+RunStatus = Literal["created", "running", "completed", "failed", "cancelled"]
+"""A run's lifecycle. Any status may follow any other: a finished run can be resumed."""
+
+EpisodeStatus = Literal["queued", "running", "completed", "failed", "cancelled"]
+"""An episode's lifecycle: `queued` → `running` → one terminal status (the last three)."""
+
+RUN_STATUSES: frozenset[str] = frozenset(get_args(RunStatus))
+EPISODE_STATUSES: frozenset[str] = frozenset(get_args(EpisodeStatus))
+TERMINAL_EPISODE_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+TERMINAL_RUN_STATUSES: frozenset[str] = TERMINAL_EPISODE_STATUSES
+
+T = TypeVar("T")
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RunRecord(_Record):
+    """One training or rollout run."""
+
+    id: str
+    name: str
+    status: RunStatus
+    config: dict[str, Any]
+    """The resolved configuration the run was started with."""
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    """When the run last entered a terminal status; None while it is live."""
+
+
+class EpisodeRecord(_Record):
+    """One episode: what was asked, where it stands, and a summary of its trajectory."""
+
+    id: str
+    run_id: str | None
+    """None for episodes submitted through the REST API outside any run."""
+    status: EpisodeStatus
+    task: dict[str, Any]
+    agent: str
+    sampling: dict[str, Any]
+    """Sampling options (temperature, max_tokens, ...) as submitted."""
+    reward: float | None
+    reward_info: dict[str, float]
+    """Named reward components."""
+    stop_reason: str | None
+    error_type: str | None
+    error_message: str | None
+    timings: dict[str, float]
+    num_turns: int | None
+    response_length: int | None
+    trajectory_id: str | None
+    """Id of the stored trajectory (DESIGN.md §2); None until the episode is finished."""
+    idempotency_key: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    trajectory: Trajectory | None = None
+    """The full trajectory; filled only by `Store.get_episode(..., with_trajectory=True)`."""
+
+
+class EventRecord(_Record):
+    """One entry of an episode's or run's event stream; `id` is the SSE event id."""
+
+    id: int
+    """Strictly increasing in commit order (see `Store.append_event`)."""
+    run_id: str | None
+    episode_id: str | None
+    type: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class MetricPoint(_Record):
+    """One value of one metric at one step."""
+
+    step: int
+    value: float
+    """NaN when the recorded value was NaN (a diverged loss is data, not an error)."""
+    time: datetime
+    """When the value was (last) recorded."""
+
+
+class Page(BaseModel, Generic[T]):
+    """One page of a keyset-paginated listing."""
+
+    model_config = ConfigDict(frozen=True)
+
+    items: list[T] = Field(default_factory=list)
+    next_cursor: str | None = None
+    """Pass back as `cursor` for the next page; None when this is the last page."""
