@@ -27,9 +27,9 @@ class StrictModel(BaseModel):
 
 def _valid_keys(model: type[BaseModel], path: list[str]) -> list[str] | None:
     """The field names of the sub-model reached by `path`, or None if the path leaves models."""
-    current: Any = model
+    current: type[BaseModel] | None = model
     for part in path:
-        field = current.model_fields.get(part) if isinstance(current, type) else None
+        field = current.model_fields.get(part) if current is not None else None
         if field is None:
             return None
         annotation = field.annotation
@@ -39,7 +39,7 @@ def _valid_keys(model: type[BaseModel], path: list[str]) -> list[str] | None:
         )
         if current is None:
             return None
-    return sorted(current.model_fields) if isinstance(current, type) else None
+    return sorted(current.model_fields) if current is not None else None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

@@ -136,7 +136,7 @@ class Session:
         )
         self._closed = bool(out.output_ids) and self.chat.is_closing(out.output_ids[-1])
         content_ids = out.output_ids[:-1] if self._closed else out.output_ids
-        text = prefill + self.chat.tokenizer.decode(content_ids, skip_special_tokens=False)
+        text = prefill + self.chat.decode(content_ids)
         self.messages.append({"role": "assistant", "content": text})
         if out.finish_reason == "length":
             reason: StopReason = (

@@ -86,7 +86,7 @@ class ChatFormat:
 
     def decode(self, ids: list[int]) -> str:
         """Text of `ids` with special tokens shown (what the model was shown)."""
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
     def is_closing(self, token_id: int) -> bool:
         """True if `token_id` ends an assistant turn."""
@@ -96,7 +96,7 @@ class ChatFormat:
 
     @property
     def _end_of_turn_text(self) -> str:
-        return self.tokenizer.convert_ids_to_tokens(self.stop_token_ids[0])
+        return str(self.tokenizer.convert_ids_to_tokens(self.stop_token_ids[0]))
 
     def _stop_token_ids(self) -> list[int]:
         tok = self.tokenizer
@@ -129,7 +129,7 @@ class ChatFormat:
     def _apply(self, messages: list[Message], *, add_generation_prompt: bool) -> str:
         text = self.tokenizer.apply_chat_template(
             messages,
-            tools=self.tools,
+            tools=self.tools,  # type: ignore[arg-type]
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )

@@ -9,7 +9,7 @@ back to the model as error messages (and are counted); a broken sandbox ends the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from omniloop.agents.base import EpisodeEnd, Session, Task
@@ -25,7 +25,7 @@ class ToolAgent:
         tools: Iterable[Tool] = (),
         *,
         system_prompt: str | None = None,
-        prefill: str = "",
+        prefill: str | Callable[[Task], str] = "",
         prefill_every_turn: bool = False,
         max_tool_timeouts: int = 2,
         tool_timeout: float | None = 300.0,
@@ -34,8 +34,9 @@ class ToolAgent:
         Args:
             tools: The tools the model may call.
             system_prompt: Shown before the task (the chat template adds the tool list).
-            prefill: Text the assistant turn starts with, as if the model wrote it (mask 0);
-                small models that never call tools unprompted need e.g. `<tool_call>\\n`.
+            prefill: Text the assistant turn starts with, as if the model wrote it (mask 0),
+                or a function of the task giving it; small models that never call tools
+                unprompted need e.g. `<tool_call>\\n`.
             prefill_every_turn: Prefill every turn, not only the first.
             max_tool_timeouts: End the episode as `tool_timeout` after this many timed-out calls.
             tool_timeout: Backstop seconds per tool call when a tool sets none.
@@ -57,7 +58,9 @@ class ToolAgent:
         timeouts = 0
         while True:
             first = session.num_turns == 0
-            prefill = self.prefill if (first or self.prefill_every_turn) else ""
+            prefill = ""
+            if first or self.prefill_every_turn:
+                prefill = self.prefill(task) if callable(self.prefill) else self.prefill
             turn = await session.generate(prefill=prefill)
             calls = parse_tool_calls(turn.text).calls
             if not calls:

@@ -141,7 +141,7 @@ def build_agent(spec: str) -> Agent:
     for attribute in ("run", "opening", "tool_schemas"):
         if not hasattr(agent, attribute):
             raise ConfigError(f"agent {spec!r} has no {attribute!r}; it must satisfy Agent")
-    return agent  # type: ignore[no-any-return]
+    return agent
 
 
 def build_rewards(specs: list[str]) -> list[RewardFn]:
