@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from omniloop.config import StrictModel
 
@@ -53,3 +53,21 @@ class SandboxConfig(StrictModel):
     """The writable workspace inside the sandbox; tools run there."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for every command (the host environment is never passed)."""
+    egress_allowlist: list[str] | None = None
+    """Opt-in outbound access (`docker` backend): `host:port` entries (`*.example.com:443`
+    matches subdomains) reachable through a per-sandbox egress proxy, which the sandbox finds in
+    `HTTP_PROXY`/`HTTPS_PROXY`. Everything else is refused: other hosts, other ports, IP literals.
+    None (the default) gives the sandbox no network at all."""
+    egress_network: str = "bridge"
+    """The Docker network the egress proxy reaches allowed hosts through (allowlist mode only)."""
+    gvisor_runtime: str = "runsc"
+    """Name under which gVisor's `runsc` is registered with the Docker daemon."""
+
+    @field_validator("egress_allowlist")
+    @classmethod
+    def _check_allowlist(cls, value: list[str] | None) -> list[str] | None:
+        for entry in value or []:
+            host, sep, port = entry.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"egress_allowlist entry {entry!r} is not of the form host:port")
+        return value
