@@ -28,7 +28,21 @@ _EXPORTS = {
     "SamplingParams": "omniloop.inference.base",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Agent",
+    "EpisodeEnd",
+    "ExecResult",
+    "SamplingParams",
+    "Sandbox",
+    "Session",
+    "Task",
+    "ToolAgent",
+    "ToolContext",
+    "Toolset",
+    "Trajectory",
+    "reward",
+    "tool",
+]
 
 if TYPE_CHECKING:
     from omniloop.agents.base import Agent, EpisodeEnd, Session, Task

@@ -419,7 +419,7 @@ async def score(
     *,
     transcript: Transcript | None = None,
     trajectory: Trajectory | None = None,
-    timeout: float | None = DEFAULT_REWARD_TIMEOUT,  # noqa: ASYNC109 -- a per-reward default
+    timeout: float | None = DEFAULT_REWARD_TIMEOUT,
 ) -> tuple[float, dict[str, float]]:
     """Score one episode: `(reward, reward_info)` for the trajectory.
 

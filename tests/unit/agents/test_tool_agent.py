@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -122,12 +123,9 @@ def test_tool_timeouts_end_the_episode_with_tool_timeout(tokenizer, scripted_eng
         engine, chat, agent.opening(task), sampling=SamplingParams(), max_turns=8, max_context=8192
     )
     context = ToolContext(task={}, episode_id="t/0")
-    try:
+    with pytest.raises(EpisodeEnd) as ended:
         asyncio.run(agent.run(task, session, context))
-    except EpisodeEnd as end:
-        assert end.reason == "tool_timeout"
-    else:
-        raise AssertionError("the episode should have ended with tool_timeout")
+    assert ended.value.reason == "tool_timeout"
     assert session.num_turns == 2
     assert [r.error for r in context.state["tool_calls"]] == ["tool_timeout", "tool_timeout"]
 

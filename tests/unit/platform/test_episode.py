@@ -28,7 +28,7 @@ def tokenizer():
 
 class Engine:
     def __init__(self, tokenizer, texts: list[str], fail_at: int | None = None, hang: bool = False):
-        self.replies = [tokenizer.encode(t, add_special_tokens=False) + [2] for t in texts]
+        self.replies = [[*tokenizer.encode(t, add_special_tokens=False), 2] for t in texts]
         self.fail_at = fail_at
         self.hang = hang
         self.calls = 0
@@ -81,10 +81,12 @@ class Provider:
         self.broken = broken
         self.handed: list[Sandbox] = []
         self.released: list[Sandbox] = []
+        self.acquired = asyncio.Event()
 
     async def acquire(self) -> Sandbox:
         sandbox = Sandbox(self.broken)
         self.handed.append(sandbox)
+        self.acquired.set()
         return sandbox
 
     async def release(self, sandbox) -> None:
@@ -183,8 +185,7 @@ async def test_cancellation_releases_the_sandbox_and_propagates(tokenizer):
             return await super().generate(input_ids, sampling)
 
     task = asyncio.create_task(episode(tokenizer, SlowSecondTurn(tokenizer, [CALL]), provider))
-    while not provider.handed:
-        await asyncio.sleep(0.01)
+    await provider.acquired.wait()
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
