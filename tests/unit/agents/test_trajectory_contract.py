@@ -75,7 +75,7 @@ def test_mask_one_tokens_are_exactly_the_sampled_tokens(tokenizer, scripted_engi
         engine,
         chat,
         opening,
-        sampling=SamplingParams(max_new_tokens=64),
+        sampling=SamplingParams(max_new_tokens=4096),
         max_turns=n_turns,
         max_context=100_000,
     )
