@@ -30,6 +30,7 @@ from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.protocol import (
     GenerateResponse,
     ModelInfo,
+    SuccessMessage,
     UpdateWeightFromDiskReqOutput,
     parse_weight_version,
 )
@@ -259,6 +260,79 @@ class EngineClient:
         if not result.success:
             raise EngineHTTPError("/update_weights_from_disk", response.status_code, response.text)
         return result
+
+    async def _post_success(self, path: str, body: dict[str, Any]) -> SuccessMessage:
+        """POST an SGLang `{success, message}` endpoint; `EngineHTTPError` unless success."""
+        response = self._check(path, await self._send("POST", path, body))
+        try:
+            result = SuccessMessage.model_validate(response.json())
+        except ValueError as err:
+            raise EngineError(f"{path} returned a malformed answer: {response.text}") from err
+        if not result.success:
+            raise EngineHTTPError(path, response.status_code, response.text)
+        return result
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "gloo",
+    ) -> SuccessMessage:
+        """Have the engine join a trainer's broadcast group as rank `rank_offset`.
+
+        Returns once every rank of `world_size` has joined, so the trainer (rank 0) must be
+        joining at the same time. Raises `EngineHTTPError` when the engine reports failure.
+        """
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return await self._post_success("/init_weights_update_group", body)
+
+    async def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        *,
+        group_name: str = "weight_update_group",
+        weight_version: int | None = None,
+        flattened: bool = True,
+        abort_all_requests: bool = False,
+    ) -> SuccessMessage:
+        """Announce one bucket; the engine receives it from rank 0's concurrent broadcast.
+
+        `dtypes` are SGLang's names (`float32`). `flattened` sends `load_format:
+        flattened_bucket` (one uint8 broadcast of all the bytes). `weight_version` (as a
+        string on the wire) marks the last bucket; omniloop's engine admits no request
+        between the first bucket and that one. Raises `EngineHTTPError` on failure.
+        """
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "abort_all_requests": abort_all_requests,
+        }
+        if flattened:
+            body["load_format"] = "flattened_bucket"
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._post_success("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(
+        self, group_name: str = "weight_update_group"
+    ) -> SuccessMessage:
+        """Have the engine leave a weight-update group; `EngineHTTPError` on failure."""
+        return await self._post_success("/destroy_weights_update_group", {"group_name": group_name})
 
     async def pause_generation(
         self, mode: Literal["abort", "retract", "in_place"] = "in_place"

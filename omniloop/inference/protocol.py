@@ -2,9 +2,9 @@
 
 Names, defaults and response shapes follow SGLang's `io_struct.py` (`GenerateReqInput`,
 `UpdateWeightFromDiskReqInput`, `InitWeightsUpdateGroupReqInput`,
-`UpdateWeightsFromDistributedReqInput`, `PauseGenerationReqInput`,
-`ContinueGenerationReqInput`), `sampling_params.py` and `http_server.py`, so `EngineClient`
-talks to real SGLang and to this engine alike.
+`UpdateWeightsFromDistributedReqInput`, `DestroyWeightsUpdateGroupReqInput`,
+`PauseGenerationReqInput`, `ContinueGenerationReqInput`), `sampling_params.py` and
+`http_server.py`, so `EngineClient` talks to real SGLang and to this engine alike.
 
 Where this engine differs, it says so instead of guessing:
 - Tokens in, tokens out: `text` and `input_embeds` prompts are rejected (send `input_ids`).
@@ -14,6 +14,12 @@ Where this engine differs, it says so instead of guessing:
   ("0" at start). An update without `weight_version` increments it; SGLang leaves it as is.
 - `meta_info.output_token_logprobs` holds `[logprob, token_id, text|None]` triples for the
   output tokens only; input logprobs and top-k logprobs are not implemented.
+- `/update_weights_from_distributed` without `weight_version` is one bucket of several: the
+  engine answers once it has received it, loads it (after running requests finish), and then
+  admits no request until a bucket *with* `weight_version` (the last one) has loaded, or
+  `/continue_generation`; the last bucket's answer reports a failure of any earlier one.
+  SGLang answers each bucket after loading it and leaves it to the caller to pause generation
+  around the whole update. Weight-update groups use gloo only (this engine is CPU-only).
 """
 
 from __future__ import annotations
@@ -303,29 +309,84 @@ class UpdateWeightFromDiskReqOutput(BaseModel):
 
 
 class InitWeightsUpdateGroupReqInput(_Wire):
-    """Body of `/init_weights_update_group`: join a trainer's weight-broadcast group."""
+    """Body of `/init_weights_update_group`: join a trainer's weight-broadcast group.
+
+    The trainer is rank 0 and serves the rendezvous store at `master_address:master_port`;
+    this engine joins as rank `rank_offset` (SGLang: `rank_offset + tp_rank`). The call
+    returns once every rank of `world_size` has joined.
+    """
 
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
     group_name: str = "weight_update_group"
     backend: str = "nccl"
+    """`gloo` here (a CPU engine); SGLang's default `nccl` is refused with a message."""
     rid: str | None = None
+
+    @model_validator(mode="after")
+    def _ranks(self) -> InitWeightsUpdateGroupReqInput:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(
+                f"rank_offset {self.rank_offset} must be below world_size {self.world_size}"
+            )
+        return self
 
 
 class UpdateWeightsFromDistributedReqInput(_Wire):
-    """Body of `/update_weights_from_distributed`: receive one bucket of broadcast tensors."""
+    """Body of `/update_weights_from_distributed`: receive one bucket of broadcast tensors.
 
-    names: list[str]
+    Rank 0 of `group_name` broadcasts the tensors while this request is in flight: one uint8
+    tensor holding every tensor's bytes in order with `load_format: flattened_bucket`, else
+    one broadcast per tensor, in order.
+    """
+
+    names: list[str] = Field(min_length=1)
+    """Hugging Face parameter names."""
     dtypes: list[str]
+    """One per name: `float32`, `bfloat16`, ... (`torch.` prefix accepted)."""
     shapes: list[list[int]]
+    """One per name."""
     group_name: str = "weight_update_group"
     flush_cache: bool = True
+    """No prefix cache here: any value is accepted."""
     abort_all_requests: bool = False
+    """Abort running and waiting requests instead of letting running ones finish first."""
     weight_version: str | int | None = None
-    load_format: str | None = None
+    """Set on the last bucket: the integer version the engine reports afterwards. Omitted:
+    more buckets follow and no request is admitted until the last one lands."""
+    load_format: Literal["flattened_bucket"] | None = None
     torch_empty_cache: bool = False
+    """GPU memory hint; no effect on CPU."""
+    rid: str | None = None
+
+    @field_validator("weight_version")
+    @classmethod
+    def _version(cls, v: str | int | None) -> str | int | None:
+        if v is not None and parse_weight_version(v) is None:
+            raise ValueError(
+                f"weight_version must be an integer (as a number or a string), got {v!r}"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _lengths(self) -> UpdateWeightsFromDistributedReqInput:
+        n = len(self.names)
+        if len(self.dtypes) != n or len(self.shapes) != n:
+            raise ValueError(
+                f"{n} names, {len(self.dtypes)} dtypes and {len(self.shapes)} shapes: "
+                "one of each per tensor"
+            )
+        if any(d < 0 for shape in self.shapes for d in shape):
+            raise ValueError("shapes cannot have negative sizes")
+        return self
+
+
+class DestroyWeightsUpdateGroupReqInput(_Wire):
+    """Body of `/destroy_weights_update_group`: leave a weight-update group."""
+
+    group_name: str = "weight_update_group"
     rid: str | None = None
 
 

@@ -4,11 +4,17 @@ Endpoints (methods as SGLang's `http_server.py`):
 - `POST|PUT /generate`: `input_ids` single or batched → one result object or a list.
 - `GET /health`: 200 while the scheduler runs, 503 otherwise (cheap; no forward pass).
 - `GET /health_generate`: queues a 1-token greedy generation; 200 as soon as it, or any other
-  forward pass, completes; 503 if none does within 20 s. While generation is paused it only
-  checks that the scheduler is alive, since nothing runs until `/continue_generation`.
+  forward pass, completes; 503 if none does within 20 s. While generation is paused, or a
+  bucketed weight update is under way, it only checks that the scheduler is alive, since
+  nothing is admitted until `/continue_generation` (or the update's last bucket).
 - `GET /get_model_info`, `GET /get_weight_version`.
 - `GET|POST /flush_cache`: 200; there is no prefix cache, so nothing to flush.
 - `POST /update_weights_from_disk`: see `EngineCore.update_weights` for the guarantees.
+- `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
+  `POST /destroy_weights_update_group`: a trainer's torch.distributed broadcast (gloo), bucket
+  by bucket; answered with SGLang's `{success, message}`, 200 or 400. Joining and receiving
+  run on daemon threads (never on the event loop), since a peer that never comes blocks them
+  until the group's timeout.
 - `POST /pause_generation`, `POST /continue_generation`.
 
 Validation errors are answered with 400 and SGLang's `ErrorResponse` body, the message naming
@@ -30,19 +36,29 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from omniloop.errors import ConfigError, EngineError
-from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
+from omniloop.inference.core import (
+    FLATTENED_BUCKET,
+    EngineCore,
+    GenerationRequest,
+    GenerationResult,
+    in_daemon_thread,
+)
 from omniloop.inference.protocol import (
     ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
     ErrorResponse,
     FinishReason,
     GenerateMetaInfo,
     GenerateReqInput,
     GenerateResponse,
+    InitWeightsUpdateGroupReqInput,
     ModelInfo,
     PauseGenerationReqInput,
     StatusMessage,
+    SuccessMessage,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
     format_validation_errors,
     parse_weight_version,
 )
@@ -57,6 +73,11 @@ def _error(status: int, message: str) -> JSONResponse:
     kind = "BadRequest" if status < 500 else "InternalServerError"
     body = ErrorResponse(message=message, type=kind, code=status)
     return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _success(ok: bool, message: str) -> JSONResponse:
+    body = SuccessMessage(success=ok, message=message)
+    return JSONResponse(body.model_dump(), status_code=200 if ok else 400)
 
 
 def _to_request(body: GenerateReqInput, i: int, prompt: list[int]) -> GenerationRequest:
@@ -158,7 +179,7 @@ def create_app(core: EngineCore) -> FastAPI:
     async def health_generate() -> Response:
         if not core.is_alive():
             return Response(status_code=503)
-        if core.paused:
+        if core.paused or core.updating:
             return Response(status_code=200)
         bos = core.tokenizer.bos_token_id
         req = GenerationRequest(
@@ -228,6 +249,64 @@ def create_app(core: EngineCore) -> FastAPI:
             num_paused_requests=result.num_waiting,
         )
         return JSONResponse(out.model_dump())
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        try:
+            await in_daemon_thread(
+                core.init_weights_update_group,
+                master_address=body.master_address,
+                master_port=body.master_port,
+                rank_offset=body.rank_offset,
+                world_size=body.world_size,
+                group_name=body.group_name,
+                backend=body.backend,
+            )
+        except (ConfigError, EngineError) as err:
+            return _success(False, f"Failed to init weights update group: {err}")
+        return _success(True, f"Joined weights update group {body.group_name!r}.")
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(
+        body: UpdateWeightsFromDistributedReqInput,
+    ) -> JSONResponse:
+        version = parse_weight_version(body.weight_version)
+        try:
+            future = await in_daemon_thread(
+                core.update_weights_from_distributed,
+                body.names,
+                body.dtypes,
+                body.shapes,
+                group_name=body.group_name,
+                flattened=body.load_format == FLATTENED_BUCKET,
+                version=version,
+                abort_all=body.abort_all_requests,
+            )
+            if version is None:
+                # Answer once the part is received and queued, so the next bucket travels
+                # while this one waits for the drain and its copy; the last bucket waits for
+                # every part and reports any that failed to load.
+                return _success(True, f"Received {len(body.names)} tensors; more to come.")
+            result = await asyncio.wrap_future(future)
+        except (ConfigError, EngineError, RuntimeError) as err:
+            # RuntimeError: torch.distributed's (a peer gone, a timeout).
+            return _success(False, f"Failed to update weights from distributed: {err}")
+        return _success(
+            True,
+            f"Succeeded to update parameter online. Weight version updated to "
+            f"{result.weight_version}.",
+        )
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(
+        body: DestroyWeightsUpdateGroupReqInput | None = None,
+    ) -> JSONResponse:
+        name = body.group_name if body is not None else "weight_update_group"
+        try:
+            await in_daemon_thread(core.destroy_weights_update_group, name)
+        except (ConfigError, RuntimeError) as err:
+            return _success(False, f"Failed to destroy weights update group: {err}")
+        return _success(True, f"Destroyed weights update group {name!r}.")
 
     @app.post("/pause_generation")
     async def pause_generation(body: PauseGenerationReqInput | None = None) -> dict[str, Any]:

@@ -1,0 +1,196 @@
+"""Weight-sync seconds and GB/s, by disk and by gloo broadcast, beside raw loopback TCP.
+
+Prints ONE JSON line. The weights of `--model` (SmolLM2: 134.5M parameters, ~0.54 GB fp32) are
+published to one local `omniloop engine serve` subprocess with `DiskWeightSync` (safetensors
+folder + `/update_weights_from_disk`) and `DistributedWeightSync` (gloo broadcast in
+`--bucket-mb` buckets + `/update_weights_from_distributed`). Each is warmed up once (the
+distributed warm-up also builds the process group, reported as `distributed_connect_s`), then
+measured `--repeats` times; the rounds interleave the two paths with a loopback measurement
+(one TCP connection on 127.0.0.1 carrying the same number of bytes, sender and receiver on two
+threads, receive buffer pre-touched), so changing machine load hits all three alike. Times
+are medians over the rounds. A sync's time runs from `publish` to every engine having answered
+(weights copied in, version set), so it includes the engine's copy into its model, not only the
+transfer. CPU seconds of this process and of the engine, and the load average, are reported
+because on a shared machine wall time alone is noise.
+
+    .venv/bin/python bench/weight_sync.py [--model smollm2] [--repeats 3] [--bucket-mb 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def cpu_seconds_of(pid: int) -> float:
+    """User + system CPU seconds of a running process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def start_engine(model: str, threads: int) -> tuple[subprocess.Popen[str], str]:
+    exe = Path(sys.executable).parent / "omniloop"
+    cmd = [
+        str(exe), "engine", "serve", "--model", model, "--port", "0",
+        "--threads", str(threads), "--max-batch", "4", "--max-context", "512",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "engine ready at " in line:
+            url = line.split("ready at ", 1)[1].split()[0]
+            # Keep draining the pipe so the engine never blocks on a full one.
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return proc, url
+    raise RuntimeError("engine exited before it was ready:\n" + "".join(lines))
+
+
+def loopback_seconds(nbytes: int, chunk: int = 4 << 20) -> float:
+    """Seconds to carry `nbytes` over one loopback TCP connection (sender and receiver threads)."""
+    payload = memoryview(bytearray(nbytes))
+    sink = bytearray(nbytes)
+    sink[::4096] = b"\x01" * len(sink[::4096])  # touch every page before timing
+    view = memoryview(sink)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sender = socket.create_connection(server.getsockname())
+        receiver, _ = server.accept()
+    with sender, receiver:
+
+        def receive() -> None:
+            got = 0
+            while got < nbytes:
+                n = receiver.recv_into(view[got:], min(chunk, nbytes - got))
+                if n == 0:
+                    raise ConnectionError("loopback sender closed early")
+                got += n
+
+        thread = threading.Thread(target=receive)
+        start = time.perf_counter()
+        thread.start()
+        sender.sendall(payload)
+        thread.join()
+        return time.perf_counter() - start
+
+
+def load_weights(model: str) -> list[tuple[str, torch.Tensor]]:
+    """The model folder's tensors under their HF names (each tied tensor once, as saved)."""
+    from omniloop.inference.llama import read_safetensors
+    from omniloop.inference.models import resolve_model
+
+    state = read_safetensors(resolve_model(model))
+    return [(n, t) for n, t in state.items() if not n.endswith("rotary_emb.inv_freq")]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from omniloop.inference.client import EngineClient
+    from omniloop.inference.models import resolve_model
+    from omniloop.trainer.weight_sync import DiskWeightSync, DistributedWeightSync
+
+    named = load_weights(args.model)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    load_start = os.getloadavg()
+    proc, url = start_engine(args.model, args.threads)
+    staging = Path(tempfile.mkdtemp(prefix="omniloop-bench-weights-"))
+    distributed = DistributedWeightSync([url], bucket_mb=args.bucket_mb, timeout_s=600)
+    disk = DiskWeightSync([url], staging, model_dir=resolve_model(args.model), timeout_s=600)
+    times: dict[str, list[float]] = {"loopback": [], "distributed": [], "disk": []}
+    cpu_bench = {"distributed": 0.0, "disk": 0.0}
+    cpu_engine = {"distributed": 0.0, "disk": 0.0}
+    version = 0
+    try:
+        version += 1
+        warm = await distributed.publish(named, version)
+        connect = warm["weight_sync/connect_seconds"]
+        buckets = warm["weight_sync/buckets"]
+        version += 1
+        await disk.publish(named, version)
+        disk_parts: dict[str, list[float]] = {"save": [], "load": []}
+        for _ in range(args.repeats):
+            times["loopback"].append(loopback_seconds(nbytes))
+            for name, sync in (("distributed", distributed), ("disk", disk)):
+                version += 1
+                cpu0, eng0 = time.process_time(), cpu_seconds_of(proc.pid)
+                metrics = await sync.publish(named, version)
+                cpu_bench[name] += time.process_time() - cpu0
+                cpu_engine[name] += cpu_seconds_of(proc.pid) - eng0
+                times[name].append(metrics["weight_sync/seconds"])
+                if name == "disk":
+                    disk_parts["save"].append(metrics["weight_sync/save_seconds"])
+                    disk_parts["load"].append(metrics["weight_sync/load_seconds"])
+        async with EngineClient(url) as client:
+            served = await client.get_weight_version()
+        if served != version:
+            raise RuntimeError(f"the engine serves version {served}, expected {version}")
+    finally:
+        await distributed.close()
+        await disk.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        proc.terminate()
+        proc.wait(timeout=30)
+
+    median = {k: statistics.median(v) for k, v in times.items()}
+    gbps = {k: nbytes / v / 1e9 for k, v in median.items()}
+    return {
+        "bench": "weight_sync",
+        "model": args.model,
+        "bytes": nbytes,
+        "tensors": len(named),
+        "engines": 1,
+        "repeats": args.repeats,
+        "bucket_mb": args.bucket_mb,
+        "buckets": int(buckets),
+        "disk_s": round(median["disk"], 4),
+        "disk_gbps": round(gbps["disk"], 3),
+        "disk_save_s": round(statistics.median(disk_parts["save"]), 4),
+        "disk_load_s": round(statistics.median(disk_parts["load"]), 4),
+        "distributed_s": round(median["distributed"], 4),
+        "distributed_gbps": round(gbps["distributed"], 3),
+        "distributed_connect_s": round(connect, 4),
+        "loopback_s": round(median["loopback"], 4),
+        "loopback_gbps": round(gbps["loopback"], 3),
+        "distributed_vs_loopback": round(gbps["distributed"] / gbps["loopback"], 3),
+        "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "cpu_s_per_sync": {
+            k: {
+                "bench": round(cpu_bench[k] / args.repeats, 3),
+                "engine": round(cpu_engine[k] / args.repeats, 3),
+            }
+            for k in cpu_bench
+        },
+        "threads": args.threads,
+        "loadavg_start": [round(x, 2) for x in load_start],
+        "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=256.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, both processes")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    print(json.dumps(asyncio.run(run(args))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
