@@ -166,7 +166,9 @@ async def test_weight_update_waits_for_running_requests(
     running = asyncio.create_task(post_generate(http, long_body()))
     await asyncio.sleep(duration / 4)
     update = asyncio.create_task(engine.update_weights_from_disk(str(other_tiny)))
-    await asyncio.sleep(0.05)
+    # Long enough for the update request to reach the engine on a loaded machine; any later
+    # request must then wait for the new weights (a longer wait cannot make `late` older).
+    await asyncio.sleep(0.5)
     late = asyncio.create_task(post_generate(http, long_body(seed=5) | {"rid": "late"}))
     first = await running
     assert first["output_ids"] == reference["output_ids"]

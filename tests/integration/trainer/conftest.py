@@ -11,8 +11,12 @@ import torch
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 
-# Two shared cores: one thread each avoids OpenMP threads waiting on each other.
-torch.set_num_threads(1)
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> None:
+    """Two shared cores: one thread avoids OpenMP threads waiting on each other. Set per test,
+    because modules that run earlier in the session (the data plane) change the count."""
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,9 @@ def test_micro_batching_gives_the_full_batch_gradient(make_batch, aggregation: s
         results.append((metrics, grads(b)))
     full_metrics, full_grads = results[0]
     for metrics, g in results[1:]:
-        assert_same_tensors(full_grads, g, atol=1e-6, rtol=1e-4)
+        # Summation order differs between micro-batch splits (and with the thread count):
+        # ~1e-5 at gradients of scale ~1; a wrong normaliser is off by the scale itself.
+        assert_same_tensors(full_grads, g, atol=3e-5, rtol=1e-4)
         assert metrics["actor/loss"] == pytest.approx(full_metrics["actor/loss"], abs=1e-6)
         assert metrics["actor/entropy"] == pytest.approx(full_metrics["actor/entropy"], rel=1e-5)
 
