@@ -16,12 +16,14 @@ def _register() -> None:
     # Sub-apps live next to the component they drive; importing them here keeps start-up cheap
     # for commands that do not need torch.
     from omniloop.inference.cli import app as engine_app
+    from omniloop.platform.api.cli import register as register_api
     from omniloop.platform.cli import register as register_platform
     from omniloop.sandboxes.cli import app as sandbox_app
 
     app.add_typer(sandbox_app, name="sandbox", help="Run commands in tool sandboxes.")
     app.add_typer(engine_app, name="engine", help="Serve a model with the CPU inference engine.")
     register_platform(app)
+    register_api(app)
 
 
 _register()

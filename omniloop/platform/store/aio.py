@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from omniloop.platform.store.errors import StoreError
 from omniloop.platform.store.records import (
     EpisodeRecord,
     EpisodeStatus,
@@ -174,3 +175,17 @@ class AsyncStore:
         return await asyncio.to_thread(
             self.store.list_events, episode_id, run_id=run_id, after_id=after_id, limit=limit
         )
+
+    async def claim_next_episode(self) -> EpisodeRecord | None:
+        return await asyncio.to_thread(self.store.claim_next_episode)
+
+    async def requeue_running_episodes(self) -> list[str]:
+        return await asyncio.to_thread(self.store.requeue_running_episodes)
+
+    async def count_episodes(self, run_id: str | None = None) -> dict[EpisodeStatus, int]:
+        return await asyncio.to_thread(self.store.count_episodes, run_id)
+
+    async def create_episodes(
+        self, requests: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[EpisodeRecord, bool] | StoreError]:
+        return await asyncio.to_thread(self.store.create_episodes, requests)

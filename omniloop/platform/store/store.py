@@ -25,14 +25,14 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast, get_args
 
 from alembic import command
 from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from pydantic import ValidationError
-from sqlalchemy import select, text
+from sqlalchemy import Connection, CursorResult, Table, func, insert, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
@@ -51,6 +51,7 @@ from omniloop.platform.store.errors import (
     InvalidTransition,
     NotFound,
     SchemaNotReady,
+    StoreError,
 )
 from omniloop.platform.store.models import (
     EpisodeRow,
@@ -76,6 +77,10 @@ from omniloop.platform.store.records import (
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory, TrajectoryMeta
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+
+# The tables behind the ORM classes, for Core statements on hot paths.
+EPISODES = cast(Table, EpisodeRow.__table__)
+EVENTS = cast(Table, EventRow.__table__)
 
 MAX_PAGE = 1000
 """Largest `limit` of one page of runs or episodes."""
@@ -228,6 +233,22 @@ def _episode_record(row: EpisodeRow, trajectory: Trajectory | None = None) -> Ep
     )
 
 
+def _new_episode_record(values: Mapping[str, Any]) -> EpisodeRecord:
+    """The record of an episode just inserted with `values` (no trajectory, no outcome yet)."""
+    return EpisodeRecord.model_validate(
+        {
+            **{key: value for key, value in values.items() if key != "request_hash"},
+            "stop_reason": None,
+            "error_type": None,
+            "error_message": None,
+            "num_turns": None,
+            "response_length": None,
+            "trajectory_id": None,
+            "finished_at": None,
+        }
+    )
+
+
 def _event_record(row: EventRow) -> EventRecord:
     return EventRecord(
         id=row.id,
@@ -338,30 +359,57 @@ class Store:
                 ) from err
             raise
 
-    def _lock_events(self, session: Session) -> None:
+    @contextmanager
+    def _writing_core(self) -> Iterator[Connection]:
+        """A write transaction on a bare connection, for Core statements on hot paths."""
+        try:
+            with self._write_engine.begin() as connection:
+                yield connection
+        except (OperationalError, ProgrammingError) as err:
+            if _is_missing_table(err):
+                raise SchemaNotReady(
+                    f"{self!r} has no omniloop schema: call Store.migrate() first"
+                ) from err
+            raise
+
+    def _lock_events(self, session: Session | Connection) -> None:
         if self.dialect == "postgresql":
             session.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": EVENTS_LOCK_KEY})
 
     def _add_event(
         self,
-        session: Session,
+        session: Session | Connection,
         type: str,
         data: dict[str, Any],
         *,
         run_id: str | None,
         episode_id: str | None,
     ) -> int:
-        """Insert one event inside the caller's write transaction; return its id."""
+        """Insert one event inside the caller's write transaction; return its id.
+
+        A Core insert, not an ORM add + flush: it is on the path of every write, and the unit
+        of work costs several times the insert itself. (A session executes it at once, before
+        the session's pending ORM changes, which are flushed at commit in the same
+        transaction.)
+        """
         self._lock_events(session)
-        row = EventRow(
-            run_id=run_id, episode_id=episode_id, type=type, data=data, created_at=utcnow()
+        result = session.execute(
+            insert(EVENTS),
+            {
+                "run_id": run_id,
+                "episode_id": episode_id,
+                "type": type,
+                "data": data,
+                "created_at": utcnow(),
+            },
         )
-        session.add(row)
-        session.flush()
-        return row.id
+        key = cast("CursorResult[Any]", result).inserted_primary_key
+        if key is None:  # only for statements that insert no row
+            raise RuntimeError("the event insert reported no id")
+        return int(key[0])
 
     @staticmethod
-    def _run_exists(session: Session, run_id: str) -> bool:
+    def _run_exists(session: Session | Connection, run_id: str) -> bool:
         return session.scalar(select(RunRow.seq).where(RunRow.id == run_id)) is not None
 
     @staticmethod
@@ -551,6 +599,77 @@ class Store:
         or `running` (a rollout worker creating the episode it is about to run). `NotFound` if
         `run_id` names no run. Creation appends a `status` event.
         """
+        values = self._episode_values(
+            task,
+            run_id=run_id,
+            agent=agent,
+            sampling=sampling,
+            episode_id=episode_id,
+            idempotency_key=idempotency_key,
+            request_hash=request_hash,
+            status=status,
+        )
+        try:
+            with self._writing_core() as connection:
+                self._insert_episode(connection, values)
+            return _new_episode_record(values), True
+        except IntegrityError:
+            pass
+        return self._existing_episode(values)
+
+    def create_episodes(
+        self, requests: Sequence[Mapping[str, Any]]
+    ) -> list[tuple[EpisodeRecord, bool] | StoreError]:
+        """Create several episodes in one transaction: per request, what `create_episode`
+        returns, or the `StoreError` it raises.
+
+        Each request is the keyword arguments of `create_episode` (`task` included), and gets
+        exactly its guarantees: each insert runs in its own savepoint, so a clash (an
+        idempotency key already used, an id taken) or a missing run affects that request only.
+        What is shared is one commit, which on SQLite is most of an insert's cost; a REST
+        server under load writes the submissions that queued up meanwhile this way. A
+        database failure (connection lost, disk full) raises and creates none.
+        """
+        outcomes: list[tuple[EpisodeRecord, bool] | StoreError | None] = [None] * len(requests)
+        prepared: list[tuple[int, dict[str, Any]]] = []
+        for index, request in enumerate(requests):
+            try:
+                prepared.append((index, self._episode_values(**request)))
+            except StoreError as err:
+                outcomes[index] = err
+        clashed: list[tuple[int, dict[str, Any]]] = []
+        if prepared:
+            with self._writing_core() as connection:
+                for index, values in prepared:
+                    try:
+                        with connection.begin_nested():
+                            self._insert_episode(connection, values)
+                    except IntegrityError:
+                        clashed.append((index, values))
+                    except StoreError as err:
+                        outcomes[index] = err
+                    else:
+                        outcomes[index] = (_new_episode_record(values), True)
+        for index, values in clashed:
+            try:
+                outcomes[index] = self._existing_episode(values)
+            except StoreError as err:
+                outcomes[index] = err
+        return [outcome for outcome in outcomes if outcome is not None]
+
+    def _episode_values(
+        self,
+        task: Mapping[str, Any],
+        *,
+        run_id: str | None = None,
+        agent: str = "",
+        sampling: Mapping[str, Any] | None = None,
+        episode_id: str | None = None,
+        idempotency_key: str | None = None,
+        request_hash: str | None = None,
+        status: EpisodeStatus = "queued",
+    ) -> dict[str, Any]:
+        """The row of a new episode, with every argument checked (`InvalidArgument`)."""
         if status not in ("queued", "running"):
             raise InvalidArgument(f"an episode starts queued or running, not {status!r}")
         if idempotency_key is not None and not 1 <= len(idempotency_key) <= 255:
@@ -569,47 +688,56 @@ class Store:
         new_id = episode_id if episode_id is not None else _new_id()
         _check_id(new_id, "episode id")
         now = utcnow()
-        row = EpisodeRow(
-            id=new_id,
+        return {
+            "id": new_id,
+            "run_id": run_id,
+            "status": status,
+            "task": task_doc,
+            "agent": agent,
+            "sampling": sampling_doc,
+            "reward": None,
+            "reward_info": {},
+            "timings": {},
+            "idempotency_key": idempotency_key,
+            "request_hash": request_hash if idempotency_key is not None else None,
+            "created_at": now,
+            "updated_at": now,
+            "started_at": now if status == "running" else None,
+        }
+
+    def _insert_episode(self, connection: Connection, values: Mapping[str, Any]) -> None:
+        """Insert a new episode and its first status event (raises `IntegrityError` on a
+        clash). Core statements on a bare connection: this is the REST API's submission path,
+        where the ORM's session and unit of work cost more than the inserts."""
+        run_id = values["run_id"]
+        if run_id is not None and not self._run_exists(connection, run_id):
+            raise NotFound("run", run_id)
+        # Insert first, look up on failure: the unique constraint is the only arbiter that
+        # holds across processes and on both databases.
+        connection.execute(insert(EPISODES), values)
+        self._add_event(
+            connection,
+            "status",
+            {"status": values["status"]},
             run_id=run_id,
-            status=status,
-            task=task_doc,
-            agent=agent,
-            sampling=sampling_doc,
-            reward=None,
-            reward_info={},
-            timings={},
-            idempotency_key=idempotency_key,
-            request_hash=request_hash if idempotency_key is not None else None,
-            created_at=now,
-            updated_at=now,
-            started_at=now if status == "running" else None,
+            episode_id=values["id"],
         )
-        try:
-            with self._writing() as session:
-                if run_id is not None and not self._run_exists(session, run_id):
-                    raise NotFound("run", run_id)
-                # Insert first, look up on failure: the unique constraint is the only arbiter
-                # that holds across processes and on both databases.
-                session.add(row)
-                session.flush()
-                self._add_event(
-                    session, "status", {"status": status}, run_id=run_id, episode_id=new_id
-                )
-            return _episode_record(row), True
-        except IntegrityError:
-            pass
-        if idempotency_key is not None:
+
+    def _existing_episode(self, values: Mapping[str, Any]) -> tuple[EpisodeRecord, bool]:
+        """After an insert of `values` clashed: the episode its idempotency key names, or
+        `IdempotencyConflict` (another request used the key) or `AlreadyExists` (the id)."""
+        key = values["idempotency_key"]
+        if key is not None:
             # A fresh transaction: on PostgreSQL the failed one is aborted.
             with self._reading() as session:
                 existing = session.scalar(
-                    select(EpisodeRow).where(EpisodeRow.idempotency_key == idempotency_key)
+                    select(EpisodeRow).where(EpisodeRow.idempotency_key == key)
                 )
             if existing is not None:
-                if existing.request_hash != request_hash:
-                    raise IdempotencyConflict(idempotency_key, existing.id)
+                if existing.request_hash != values["request_hash"]:
+                    raise IdempotencyConflict(key, existing.id)
                 return _episode_record(existing), False
-        raise AlreadyExists(f"episode {new_id!r} already exists")
+        raise AlreadyExists(f"episode {values['id']!r} already exists")
 
     def update_episode_status(
         self,
@@ -750,6 +878,77 @@ class Store:
             }
             self._add_event(session, "status", data, run_id=row.run_id, episode_id=episode_id)
             return _episode_record(row)
+
+    def claim_next_episode(self) -> EpisodeRecord | None:
+        """Move the oldest `queued` episode to `running` and return it; None if none is queued.
+
+        The queue of episodes submitted for a worker to run (the REST API's). Concurrent
+        claimers, in threads or processes, never get the same episode: on SQLite the write
+        transaction is exclusive; on PostgreSQL the row is locked with SKIP LOCKED, so a second
+        claimer takes the next episode instead of waiting. Appends a `status` event.
+        """
+        query = (
+            select(EpisodeRow)
+            .where(EpisodeRow.status == "queued")
+            .order_by(EpisodeRow.seq)
+            .limit(1)
+            .with_for_update(skip_locked=True, key_share=True)
+        )
+        with self._writing() as session:
+            row = session.scalar(query)
+            if row is None:
+                return None
+            now = utcnow()
+            row.status = "running"
+            row.started_at = now
+            row.updated_at = now
+            self._add_event(
+                session, "status", {"status": "running"}, run_id=row.run_id, episode_id=row.id
+            )
+            return _episode_record(row)
+
+    def requeue_running_episodes(self) -> list[str]:
+        """Put every `running` episode that belongs to no run back in the queue; return their ids.
+
+        For a REST server starting after one that died mid-episode: the episodes it was running
+        would otherwise stay `running` forever. Only episodes outside any run are touched
+        (training runs own theirs). Appends a `status` event per episode.
+        """
+        with self._writing() as session:
+            rows = list(
+                session.scalars(
+                    select(EpisodeRow)
+                    .where(EpisodeRow.status == "running", EpisodeRow.run_id.is_(None))
+                    .order_by(EpisodeRow.seq)
+                    .with_for_update(key_share=True)
+                )
+            )
+            now = utcnow()
+            for row in rows:
+                row.status = "queued"
+                row.started_at = None
+                row.updated_at = now
+                self._add_event(
+                    session,
+                    "status",
+                    {"status": "queued", "requeued": True},
+                    run_id=None,
+                    episode_id=row.id,
+                )
+            return [row.id for row in rows]
+
+    def count_episodes(self, run_id: str | None = None) -> dict[EpisodeStatus, int]:
+        """How many episodes are in each status (every status present, zeros included);
+        of one run when `run_id` is given, else of all."""
+        query = select(EpisodeRow.status, func.count()).group_by(EpisodeRow.status)
+        if run_id is not None:
+            query = query.where(EpisodeRow.run_id == run_id)
+        counts: dict[EpisodeStatus, int] = {status: 0 for status in get_args(EpisodeStatus)}
+        with self._reading() as session:
+            for status, count in session.execute(query):
+                if status in counts:
+                    counts[status] = int(count)
+        return counts
 
     def get_episode(self, episode_id: str, *, with_trajectory: bool = True) -> EpisodeRecord:
         """The episode, with its trajectory when it has one and `with_trajectory` is set;

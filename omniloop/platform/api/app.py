@@ -1,0 +1,171 @@
+"""`create_app`: the REST server as one FastAPI application.
+
+What the lifespan does, in order: migrate the store's schema, put episodes a dead server left
+`running` back in the queue (`recover_on_start`), start the episode worker (which starts or
+connects to the engine and fills the sandbox pool in the background, so `/healthz` answers at
+once and `/readyz` reports `starting` meanwhile). On shutdown the worker stops first (running
+episodes go back to the queue), then the store closes if the app opened it.
+
+Extra routes (the dashboard): pass them as `extra_routes`; they are added after the API's, so
+`/v1/...`, `/healthz`, `/readyz`, `/metrics` and `/openapi.json` always win, e.g.
+
+    from starlette.routing import Mount
+    from starlette.staticfiles import StaticFiles
+    create_app(settings, extra_routes=[Mount("/", StaticFiles(directory=..., html=True))])
+
+An `APIRouter` in `extra_routes` is included (its routes appear in the OpenAPI document); any
+other Starlette route (a `Mount`, a `Route`) is appended as is. `omniloop serve` mounts
+`omniloop.web.routes()` when the web package provides that function (see `cli.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+from starlette.routing import BaseRoute
+
+import omniloop
+from omniloop.platform.api.batching import EpisodeCreator
+from omniloop.platform.api.events import EpisodeSignals
+from omniloop.platform.api.limits import BodyLimitMiddleware
+from omniloop.platform.api.metrics import ApiMetrics, RequestMetricsMiddleware
+from omniloop.platform.api.problems import Problem, install_problem_handlers
+from omniloop.platform.api.routes import ApiState, bearer_auth, no_auth, ops_router, v1_router
+from omniloop.platform.api.settings import ApiLimits, ApiSettings
+from omniloop.platform.api.worker import EpisodeWorker, load_agents
+from omniloop.platform.store import AsyncStore, Store
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+omniloop's REST API: submit agent episodes that run through the training rollout path, follow
+them live (Server-Sent Events), and browse runs, episodes and metrics.
+
+Errors are RFC 9457 problem documents (`application/problem+json`). Lists are keyset-paginated
+(`cursor` + `limit`; follow `next`). When the server has a token, every POST needs
+`Authorization: Bearer <token>`.
+"""
+
+
+def create_app(
+    settings: ApiSettings,
+    *,
+    store: Store | None = None,
+    extra_routes: Sequence[APIRouter | BaseRoute] = (),
+) -> FastAPI:
+    """The API server for `settings`.
+
+    `store`: use this store (the caller closes it) instead of opening `settings.db_url`.
+    `extra_routes`: routers and mounts served beside the API (see the module docstring).
+    Agents are imported here, so a bad agent or reward path raises `ConfigError` before the
+    server starts.
+    """
+    agents = load_agents(settings)
+    own_store = store is None
+    sync_store = store if store is not None else Store(settings.db_url)
+    state = ApiState(
+        settings=settings,
+        store=AsyncStore(sync_store),
+        agents=agents,
+        signals=EpisodeSignals(),
+        metrics=ApiMetrics(),
+        head_revision=Store.head_revision(),
+        creator=EpisodeCreator(sync_store),
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        worker: EpisodeWorker | None = None
+        try:
+            await state.store.migrate()
+            if settings.recover_on_start:
+                requeued = await state.store.requeue_running_episodes()
+                if requeued:
+                    logger.warning(
+                        "requeued %d episodes a stopped server left running", len(requeued)
+                    )
+            worker = EpisodeWorker(state.store, settings, agents, state.signals, state.metrics)
+            worker.start()
+            state.worker = worker
+            yield
+        finally:
+            if worker is not None:
+                await worker.stop()
+            if own_store:
+                await state.store.close()
+
+    app = FastAPI(
+        title="omniloop",
+        version=omniloop.__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url="/docs",
+        redoc_url=None,
+    )
+    app.state.omniloop = state
+    token = settings.token_bytes()
+    app.include_router(v1_router(bearer_auth(token) if token is not None else no_auth()))
+    app.include_router(ops_router())
+    for route in extra_routes:
+        if isinstance(route, APIRouter):
+            app.include_router(route)
+        else:
+            app.router.routes.append(route)
+    install_problem_handlers(app)
+    # Starlette runs the middleware added last outermost: metrics see every request (413s from
+    # the body limit included), and CORS answers preflights before the body limit looks.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "Idempotency-Key", "Last-Event-ID"],
+            expose_headers=["Location", "Link", "Idempotent-Replayed"],
+        )
+    app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
+    _complete_openapi(app, sorted(agents), settings.limits)
+    return app
+
+
+def _set_maximum(schema: dict[str, Any], maximum: int) -> None:
+    """Lower the `maximum` of an integer schema (or of the integer branch of an `anyOf`)."""
+    for branch in [schema, *schema.get("anyOf", [])]:
+        if branch.get("type") == "integer":
+            branch["maximum"] = min(branch.get("maximum", maximum), maximum)
+
+
+def _complete_openapi(app: FastAPI, agent_names: list[str], limits: ApiLimits) -> None:
+    """Add what only this server knows to the OpenAPI document: the `Problem` schema that
+    error responses reference, its agents as the values `agent` may take, and its limits."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description=app.description,
+                routes=app.routes,
+            )
+            _, definitions = models_json_schema(
+                [(Problem, "serialization")], ref_template="#/components/schemas/{model}"
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(definitions.get("$defs", {}))
+            request = components["EpisodeRequest"]["properties"]
+            if agent_names:
+                request["agent"]["enum"] = agent_names
+            _set_maximum(request["max_turns"], limits.max_turns)
+            sampling = components["SamplingOptions"]["properties"]
+            _set_maximum(sampling["max_new_tokens"], limits.max_new_tokens)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -1,0 +1,590 @@
+"""The `/v1` endpoints and the operational ones (`/healthz`, `/readyz`, `/metrics`).
+
+Handlers are thin: validate, call the store (or the worker), shape the answer. Every error is
+raised as an `ApiProblem` or a store error and rendered as problem+json by `problems.py`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+from urllib.parse import urlencode
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi.params import Depends as DependsParam
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette import EventSourceResponse
+
+from omniloop.platform.api.batching import EpisodeCreator
+from omniloop.platform.api.events import EpisodeSignals, episode_events
+from omniloop.platform.api.metrics import ApiMetrics
+from omniloop.platform.api.problems import (
+    PROBLEM_MEDIA_TYPE,
+    ApiProblem,
+    FieldError,
+    problem_responses,
+    validation_problem,
+)
+from omniloop.platform.api.schemas import (
+    DEFAULT_PAGE_SIZE,
+    MAX_PAGE_SIZE,
+    MAX_TURNS_FIELD,
+    AgentList,
+    AgentOut,
+    EpisodeAccepted,
+    EpisodeDetail,
+    EpisodeList,
+    EpisodeOut,
+    EpisodeRequest,
+    Health,
+    MetricPointOut,
+    Readiness,
+    RunList,
+    RunMetrics,
+    RunOut,
+    episode_detail,
+    episode_href,
+    episode_out,
+    run_out,
+)
+from omniloop.platform.api.settings import ApiSettings
+from omniloop.platform.api.worker import EpisodeWorker, LoadedAgent
+from omniloop.platform.store import AsyncStore, EpisodeStatus, RunStatus
+
+MAX_METRIC_NAMES = 100
+NO_NUL = r"^[^\x00]*$"
+"""Text parameters may hold anything but NUL, which PostgreSQL cannot compare with."""
+CursorQuery = Annotated[
+    str | None,
+    Query(
+        pattern=r"^[1-9][0-9]{0,17}$",
+        description="`next_cursor` of the previous page; left out for the first page.",
+    ),
+]
+IDEMPOTENCY_KEY_PATTERN = r"^[\x21-\x7e]{1,255}$"
+"""Visible ASCII, 1 to 255 characters (what the store keeps)."""
+
+
+@dataclass
+class ApiState:
+    """What handlers share; one per app, built by `create_app` and its lifespan."""
+
+    settings: ApiSettings
+    store: AsyncStore
+    agents: dict[str, LoadedAgent]
+    signals: EpisodeSignals
+    metrics: ApiMetrics
+    head_revision: str
+    creator: EpisodeCreator
+    """Writes submissions in batches (see `batching.py`)."""
+    worker: EpisodeWorker | None = None
+    in_flight: set[str] = field(default_factory=set)
+    """Idempotency keys whose first request is being handled now (→ 409 for the others)."""
+
+
+def api_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.omniloop
+    return state
+
+
+def _default_problem() -> dict[str, Any]:
+    return {
+        "description": "Any other error, as a problem document (RFC 9457)",
+        "content": {PROBLEM_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Problem"}}},
+    }
+
+
+def responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: problem documents for `statuses` and for anything else (`default`),
+    and `ok` as the 200 response when given."""
+    documented: dict[int | str, dict[str, Any]] = {
+        **problem_responses(*statuses),
+        "default": _default_problem(),
+    }
+    if ok is not None:
+        documented[200] = ok
+    return documented
+
+
+_LOCATION = {
+    "Location": {"description": "The episode's URL path", "schema": {"type": "string"}},
+}
+
+
+def _next_link(request: Request, cursor: str | None) -> str | None:
+    if cursor is None:
+        return None
+    params = dict(request.query_params)
+    params["cursor"] = cursor
+    return f"{request.url.path}?{urlencode(params)}"
+
+
+def _paged(response: Response, link: str | None) -> None:
+    if link is not None:
+        response.headers["Link"] = f'<{link}>; rel="next"'
+
+
+def request_hash(body: EpisodeRequest) -> str:
+    """Hash of the request as parsed (key order, whitespace and spelled-out defaults do not
+    matter): what an `Idempotency-Key` replay must match."""
+    canonical = json.dumps(
+        body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), allow_nan=False
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _field_problem(field_name: str, message: str, kind: str) -> ApiProblem:
+    return validation_problem(
+        [FieldError(location="body", field=field_name, message=message, type=kind)]
+    )
+
+
+class _RandomIds:
+    """128-bit random hex ids, from one `os.urandom` call per 256 ids.
+
+    Each syscall releases the GIL, and under load the event loop then waits to get it back
+    from the store's threads: one read per id showed up as the largest cost of a submission.
+    Used from the event loop's thread only.
+    """
+
+    BATCH = 256
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._next = 0
+
+    def __call__(self) -> str:
+        if self._next >= len(self._pool):
+            self._pool = os.urandom(16 * self.BATCH)
+            self._next = 0
+        start, self._next = self._next, self._next + 16
+        return self._pool[start : self._next].hex()
+
+
+new_episode_id = _RandomIds()
+
+
+# -- /v1 -------------------------------------------------------------------------------------
+
+
+def v1_router(auth: Sequence[DependsParam]) -> APIRouter:
+    """The `/v1` API; `auth` guards every POST.
+
+    Ids are `path` parameters because training episodes have ids with slashes (`t0/0`); so
+    the routes with a suffix (`/events`, `/cancel`, `/metrics`) come before the bare ones.
+    """
+    router = APIRouter(prefix="/v1")
+    mutating = list(auth)
+
+    @router.post(
+        "/episodes",
+        status_code=202,
+        response_model=EpisodeAccepted,
+        dependencies=mutating,
+        summary="Submit an episode",
+        responses=responses(
+            401,
+            409,
+            413,
+            422,
+            ok={
+                "description": "An Idempotency-Key replay: the episode the first request made",
+                "model": EpisodeAccepted,
+                "headers": _LOCATION,
+            },
+        )
+        | {202: {"description": "Queued", "headers": _LOCATION}},
+    )
+    async def submit_episode(
+        body: EpisodeRequest,
+        request: Request,
+        idempotency_key: Annotated[
+            str | None,
+            Header(
+                alias="Idempotency-Key",
+                pattern=IDEMPOTENCY_KEY_PATTERN,
+                description="Same key and same body: the same episode. Same key, another body: "
+                "422. While the first request with the key is in progress: 409.",
+            ),
+        ] = None,
+    ) -> Response:
+        """Queue an episode of `agent` on `task`: 202 with `Location`. The worker runs it
+        through the rollout path; follow it at `events_href` or poll `href`."""
+        state = api_state(request)
+        loaded = state.agents.get(body.agent)
+        if loaded is None:
+            known = ", ".join(sorted(state.agents)) or "none"
+            raise _field_problem(
+                "agent", f"unknown agent {body.agent!r}; this server has: {known}", "unknown_agent"
+            )
+        limits = state.settings.limits
+        sampling = loaded.entry.sampling.model_copy(
+            update=body.sampling.model_dump(exclude_none=True)
+        )
+        if sampling.max_new_tokens > limits.max_new_tokens:
+            raise _field_problem(
+                "sampling.max_new_tokens",
+                f"{sampling.max_new_tokens} is over this server's limit of {limits.max_new_tokens}",
+                "limit_exceeded",
+            )
+        max_turns = body.max_turns or loaded.entry.max_turns
+        if max_turns > limits.max_turns:
+            raise _field_problem(
+                "max_turns",
+                f"{max_turns} is over this server's limit of {limits.max_turns}",
+                "limit_exceeded",
+            )
+        episode_id = new_episode_id()
+        task = body.task.model_dump(mode="json")
+        task["id"] = task["id"] or episode_id
+        options = {**sampling.model_dump(mode="json"), MAX_TURNS_FIELD: max_turns}
+        if idempotency_key is not None:
+            if idempotency_key in state.in_flight:
+                raise ApiProblem(
+                    409,
+                    "idempotency-key-in-use",
+                    f"a request with Idempotency-Key {idempotency_key!r} is still being "
+                    "handled; retry when it has finished",
+                    headers={"Retry-After": "1"},
+                )
+            state.in_flight.add(idempotency_key)
+        try:
+            record, created = await state.creator.create(
+                task,
+                agent=body.agent,
+                sampling=options,
+                episode_id=episode_id,
+                idempotency_key=idempotency_key,
+                request_hash=request_hash(body) if idempotency_key is not None else None,
+            )
+        finally:
+            if idempotency_key is not None:
+                state.in_flight.discard(idempotency_key)
+        href = episode_href(record.id)
+        headers = {"Location": href}
+        if created:
+            if state.worker is not None:
+                state.worker.wake()
+            state.metrics.submissions.labels("created").inc()
+        else:
+            headers["Idempotent-Replayed"] = "true"
+            state.metrics.submissions.labels("replayed").inc()
+        accepted = EpisodeAccepted(
+            id=record.id,
+            status=record.status,
+            created=created,
+            href=href,
+            events_href=f"{href}/events",
+        )
+        # Serialized here: FastAPI would validate and encode the model once more (the busiest
+        # endpoint; `response_model` still documents the body).
+        return Response(
+            accepted.model_dump_json(),
+            status_code=202 if created else 200,
+            headers=headers,
+            media_type="application/json",
+        )
+
+    @router.get(
+        "/episodes",
+        response_model=EpisodeList,
+        summary="List episodes",
+        responses=responses(404, 422),
+    )
+    async def list_episodes(
+        request: Request,
+        response: Response,
+        status: EpisodeStatus | None = None,
+        stop_reason: Annotated[str | None, Query(max_length=32, pattern=NO_NUL)] = None,
+        error_type: Annotated[str | None, Query(max_length=255, pattern=NO_NUL)] = None,
+        run_id: Annotated[str | None, Query(min_length=1, max_length=64, pattern=NO_NUL)] = None,
+        cursor: CursorQuery = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    ) -> EpisodeList:
+        """Episodes, newest first, without trajectories. Filters combine with AND; a `run_id`
+        that names no run is a 404."""
+        page = await api_state(request).store.list_episodes(
+            run_id,
+            status=status,
+            stop_reason=stop_reason,
+            error_type=error_type,
+            cursor=cursor,
+            limit=limit,
+        )
+        link = _next_link(request, page.next_cursor)
+        _paged(response, link)
+        return EpisodeList(
+            items=[episode_out(r) for r in page.items], next_cursor=page.next_cursor, next=link
+        )
+
+    @router.get(
+        "/episodes/{episode_id:path}/events",
+        summary="Follow an episode (Server-Sent Events)",
+        response_class=EventSourceResponse,
+        responses=responses(
+            404,
+            422,
+            ok={
+                "description": "An event stream: `status` and `turn` events, each with `id` "
+                "(resume with Last-Event-ID) and JSON `data`; it ends after the terminal "
+                "status event.",
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+            },
+        ),
+    )
+    async def episode_event_stream(
+        request: Request,
+        episode_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)],
+        last_event_id: Annotated[
+            str | None,
+            Header(
+                alias="Last-Event-ID",
+                pattern=r"^[0-9]{1,18}$",
+                description="Resume after this event id (browsers send it on reconnect).",
+            ),
+        ] = None,
+    ) -> EventSourceResponse:
+        """Every event of the episode (or those after `Last-Event-ID`), then live ones, ending
+        after the event that makes the episode `completed`, `failed` or `cancelled`."""
+        state = api_state(request)
+        after = int(last_event_id) if last_event_id is not None else 0
+        # 404 before the stream starts: after the 200 there is no way to say it.
+        await state.store.get_episode(episode_id, with_trajectory=False)
+        return EventSourceResponse(
+            episode_events(
+                state.store,
+                state.signals,
+                episode_id,
+                after_id=after,
+                poll_interval=state.settings.poll_interval,
+            ),
+            ping=15,
+        )
+
+    @router.post(
+        "/episodes/{episode_id:path}/cancel",
+        response_model=EpisodeOut,
+        dependencies=mutating,
+        summary="Cancel an episode",
+        responses=responses(401, 404, 409, 422),
+    )
+    async def cancel_episode(
+        request: Request, episode_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)]
+    ) -> EpisodeOut:
+        """Cancel a queued or running episode (a running one's task is cancelled and its
+        sandbox released). Cancelling a cancelled episode again succeeds; a completed or
+        failed one is a 409."""
+        state = api_state(request)
+        record = await state.store.update_episode_status(episode_id, "cancelled")
+        if state.worker is not None:
+            state.worker.cancel(episode_id)
+        state.signals.notify(episode_id)
+        return episode_out(record)
+
+    @router.get(
+        "/episodes/{episode_id:path}",
+        response_model=EpisodeDetail,
+        summary="Get an episode",
+        responses=responses(404, 422),
+    )
+    async def get_episode(
+        request: Request,
+        episode_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)],
+        trajectory: Annotated[
+            bool, Query(description="Include the token-level trajectory (it can be large).")
+        ] = True,
+    ) -> EpisodeDetail:
+        """The episode: status, request, reward and components, stop reason, error, timings,
+        and (once finished) its trajectory with turns and tool calls."""
+        record = await api_state(request).store.get_episode(episode_id, with_trajectory=trajectory)
+        return episode_detail(record)
+
+    @router.get("/runs", response_model=RunList, summary="List runs", responses=responses(422))
+    async def list_runs(
+        request: Request,
+        response: Response,
+        status: RunStatus | None = None,
+        cursor: CursorQuery = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    ) -> RunList:
+        """Training and rollout runs, newest first."""
+        page = await api_state(request).store.list_runs(status=status, cursor=cursor, limit=limit)
+        link = _next_link(request, page.next_cursor)
+        _paged(response, link)
+        return RunList(
+            items=[run_out(r) for r in page.items], next_cursor=page.next_cursor, next=link
+        )
+
+    @router.get(
+        "/runs/{run_id:path}/metrics",
+        response_model=RunMetrics,
+        summary="Get a run's metrics",
+        responses=responses(404, 422),
+    )
+    async def get_run_metrics(
+        request: Request,
+        run_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)],
+        names: Annotated[
+            str | None,
+            Query(
+                max_length=2048,
+                pattern=NO_NUL,
+                description="Comma-separated metric names; all metrics when left out.",
+            ),
+        ] = None,
+        since_step: Annotated[
+            int | None,
+            Query(ge=-(2**63), le=2**63 - 1, description="Only steps after this one (polling)."),
+        ] = None,
+    ) -> RunMetrics:
+        """Metric name → points in step order; non-finite values read as null."""
+        wanted = None
+        if names is not None:
+            wanted = [n.strip() for n in names.split(",") if n.strip()]
+            if len(wanted) > MAX_METRIC_NAMES or any(len(n) > 255 for n in wanted):
+                raise validation_problem(
+                    [
+                        FieldError(
+                            location="query",
+                            field="names",
+                            message=f"at most {MAX_METRIC_NAMES} names of at most 255 "
+                            "characters each",
+                            type="limit_exceeded",
+                        )
+                    ]
+                )
+        metrics = await api_state(request).store.get_metrics(run_id, wanted, since_step=since_step)
+        return RunMetrics(
+            run_id=run_id,
+            metrics={
+                name: [
+                    MetricPointOut(
+                        step=p.step, value=p.value if math.isfinite(p.value) else None, time=p.time
+                    )
+                    for p in points
+                ]
+                for name, points in metrics.items()
+            },
+        )
+
+    @router.get(
+        "/runs/{run_id:path}",
+        response_model=RunOut,
+        summary="Get a run",
+        responses=responses(404, 422),
+    )
+    async def get_run(
+        request: Request, run_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)]
+    ) -> RunOut:
+        """One run with its resolved configuration."""
+        return run_out(await api_state(request).store.get_run(run_id))
+
+    @router.get("/agents", response_model=AgentList, summary="List agents", responses=responses())
+    async def list_agents(request: Request) -> AgentList:
+        """The agents episodes may be submitted for, with their tools and defaults."""
+        agents = api_state(request).agents
+        return AgentList(
+            items=[
+                AgentOut(
+                    name=name,
+                    description=loaded.entry.description,
+                    tools=loaded.tool_names,
+                    max_turns=loaded.entry.max_turns,
+                    sampling=loaded.entry.sampling.model_dump(mode="json"),
+                )
+                for name, loaded in sorted(agents.items())
+            ]
+        )
+
+    return router
+
+
+# -- operations ------------------------------------------------------------------------------
+
+
+def ops_router() -> APIRouter:
+    """`/healthz` (the process answers), `/readyz` (it can do work), `/metrics`."""
+    router = APIRouter()
+
+    @router.get("/healthz", response_model=Health, summary="Liveness", responses=responses())
+    async def healthz() -> Health:
+        """200 whenever the process serves requests."""
+        return Health(status="ok")
+
+    @router.get("/readyz", response_model=Readiness, summary="Readiness", responses=responses(503))
+    async def readyz(request: Request) -> Readiness:
+        """200 when the database answers with the expected schema and the episode worker is
+        alive; otherwise a 503 problem whose `checks` says what is wrong."""
+        state = api_state(request)
+        checks: dict[str, str] = {}
+        try:
+            revision = await state.store.current_revision()
+            checks["database"] = (
+                "ok" if revision == state.head_revision else f"schema at {revision}, not head"
+            )
+        except Exception as err:
+            checks["database"] = f"unreachable: {type(err).__name__}"
+        worker = state.worker
+        checks["worker"] = worker.state if worker is not None else "not started"
+        if worker is not None and worker.error is not None:
+            checks["worker_error"] = worker.error
+        if checks["database"] != "ok" or worker is None or not worker.alive:
+            raise ApiProblem(503, "not-ready", "the server cannot run episodes now", checks=checks)
+        return Readiness(status="ready", checks=checks)
+
+    @router.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses=responses(
+            ok={
+                "description": "Prometheus text exposition format",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        ),
+    )
+    async def metrics(request: Request) -> Response:
+        """Request counts and latencies, episodes by status, worker state."""
+        state = api_state(request)
+        try:
+            counts = await state.store.count_episodes()
+        except Exception:
+            counts = {}
+        for status, count in counts.items():
+            state.metrics.episodes.labels(status).set(count)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return router
+
+
+def no_auth() -> list[DependsParam]:
+    return []
+
+
+def bearer_auth(token: bytes) -> list[DependsParam]:
+    """A dependency that requires `Authorization: Bearer <token>` (compared in constant time)."""
+    scheme = HTTPBearer(auto_error=False, description="The server's token (`$OMNILOOP_API_TOKEN`).")
+
+    async def check(
+        # A default, not `Annotated`: the annotation is a string here, and `scheme` a local.
+        credentials: HTTPAuthorizationCredentials | None = Depends(scheme),
+    ) -> None:
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if credentials is None or not hmac.compare_digest(given, token):
+            raise ApiProblem(
+                401,
+                "unauthorized",
+                "this endpoint needs `Authorization: Bearer <token>` with the server's token"
+                if credentials is None
+                else "the bearer token is not the server's",
+                headers={"WWW-Authenticate": 'Bearer realm="omniloop"'},
+            )
+
+    return [Depends(check)]

@@ -1,0 +1,229 @@
+"""The dashboard in headless Chromium against the real server.
+
+An episode submitted over REST is watched to completion on the page and inspected in the
+trajectory viewer; a seeded run's page shows grouped charts that update live and an episode
+browser that filters and pages through the API.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+from playwright.sync_api import Page, expect
+from sqlalchemy import insert
+from sqlalchemy.orm import Session
+
+from omniloop.inference.models import load_tokenizer
+from omniloop.platform.store.models import EpisodeRow
+from omniloop.web.dashboard import token_pieces
+
+COMPLETE_MS = 60_000
+
+
+def test_submitted_episode_completes_on_the_page(
+    page: Page, dashboard: Any, screenshot: Any
+) -> None:
+    body = {"agent": "calc", "task": {"prompt": "What is 6 * 7?", "answer": "42"}}
+    accepted = httpx.post(f"{dashboard.url}/v1/episodes", json=body, timeout=30)
+    assert accepted.status_code == 202, accepted.text
+    episode_id = accepted.json()["id"]
+
+    # The viewer follows the episode's event stream until it is completed, then shows it all.
+    page.goto(f"{dashboard.url}/#/episodes/{episode_id}")
+    app = page.locator("#app")
+    expect(app).to_have_attribute("data-status", "completed", timeout=COMPLETE_MS)
+    expect(page.locator(".page-head .badge")).to_have_text("completed")
+    episode = httpx.get(f"{dashboard.url}/v1/episodes/{episode_id}", timeout=30).json()
+    trajectory = episode["trajectory"]
+    mask: list[int] = trajectory["loss_mask"]
+    prompt_length: int = trajectory["prompt_length"]
+
+    # The loss mask overlay: one span per token, sampled tokens marked, the prompt dimmed.
+    tokens = page.locator(".token-view .tokens .tok")
+    expect(tokens).to_have_count(len(trajectory["input_ids"]))
+    expect(page.locator(".token-view .tokens .tok.s")).to_have_count(sum(mask))
+    expect(page.locator(".token-view .tokens .tok.p")).to_have_count(prompt_length)
+    observed = len(mask) - prompt_length - sum(mask)
+    expect(page.locator(".token-view .tokens .tok.o")).to_have_count(observed)
+    first_sampled = mask.index(1)
+    span = page.locator(f'.token-view .tok[data-i="{first_sampled}"]')
+    expect(span).to_have_class(re.compile(r"\bs\b"))
+    logprob = trajectory["rollout_logprobs"][first_sampled]
+    expect(span).to_have_attribute("title", re.compile(rf"logprob {logprob:.4f}"))
+    # The spans read as the decoded sequence.
+    tokenizer = load_tokenizer("tiny")
+    shown = "".join(tokens.all_text_contents())
+    assert shown == tokenizer.decode(trajectory["input_ids"], skip_special_tokens=False)
+
+    # Turns, the tool call with its result, and the reward breakdown.
+    expect(page.locator(".turn h3", has_text="Turn 1")).to_be_visible()
+    call = page.locator('.tool-call[data-tool="python"]').first
+    expect(call).to_be_visible()
+    expect(call.locator(".tool-args")).to_contain_text("print(6 * 7)")
+    expect(call.locator("[data-tool-output]")).to_have_text(re.compile(r"^\s*42\s*$"))
+    expect(page.locator("[data-reward]")).to_have_attribute("data-reward", "1.5")
+    expect(page.locator('[data-component="printed_42"]')).to_contain_text("1")
+    expect(page.locator('[data-component="called_a_tool"]')).to_contain_text("0.5")
+    screenshot(page, "trajectory")
+
+    # The episode browser lists it as completed and links to the viewer.
+    page.goto(f"{dashboard.url}/#/episodes")
+    row = page.locator(f'tr[data-episode="{episode_id}"]')
+    expect(row).to_have_attribute("data-status", "completed")
+    expect(row).to_contain_text("stop")
+    screenshot(page, "episodes")
+    row.locator("a").click()
+    expect(page).to_have_url(re.compile(rf"#/episodes/{episode_id}$"))
+    expect(page.locator('.tool-call[data-tool="python"]').first).to_be_visible()
+
+
+OUTCOMES = [
+    ("completed", "stop", None),
+    ("completed", "length", None),
+    ("failed", "sandbox_error", "SandboxError"),
+    ("failed", "engine_error", "EngineError"),
+    ("cancelled", "cancelled", None),
+]
+
+
+def _seed_run(dashboard: Any, run_id: str, episodes: int, steps: int) -> None:
+    store = dashboard.store()
+    try:
+        store.create_run("seeded run", {"model": "tiny"}, run_id=run_id, status="running")
+        for step in range(steps):
+            store.record_metrics(
+                run_id,
+                step,
+                {
+                    "reward/mean": step / steps,
+                    "response_length/mean": 100.0 + step,
+                    "actor/kl": 0.01 * step,
+                    "actor/entropy": 2.0 - 0.01 * step,
+                    "staleness/max": float(step % 3),
+                    "perf/tokens_per_second": 500.0 + 10 * math.sin(step),
+                    "sandbox/exec_latency_p50": 0.05,
+                    "episodes/errors": float(step % 2),
+                },
+            )
+        start = datetime.now(UTC) - timedelta(hours=1)
+        rows = []
+        for n in range(episodes):
+            status, stop_reason, error_type = OUTCOMES[n % len(OUTCOMES)]
+            created = start + timedelta(seconds=n)
+            rows.append(
+                {
+                    "id": f"{run_id}-ep{n:04d}",
+                    "run_id": run_id,
+                    "status": status,
+                    "task": {"id": f"task-{n}", "prompt": f"What is {n} + {n}?"},
+                    "agent": "calc",
+                    "sampling": {},
+                    "reward": 1.0 if status == "completed" else None,
+                    "reward_info": {},
+                    "stop_reason": stop_reason,
+                    "error_type": error_type,
+                    "error_message": "boom" if error_type else None,
+                    "timings": {},
+                    "num_turns": 1,
+                    "response_length": 10,
+                    "created_at": created,
+                    "updated_at": created,
+                }
+            )
+        with Session(store.engine) as session, session.begin():
+            session.execute(insert(EpisodeRow), rows)
+    finally:
+        store.close()
+
+
+def test_run_page_charts_update_and_episodes_filter_and_page(
+    page: Page, dashboard: Any, screenshot: Any
+) -> None:
+    run_id = "seeded"
+    _seed_run(dashboard, run_id, episodes=120, steps=30)
+
+    page.goto(f"{dashboard.url}/#/")
+    expect(page.locator(f'tr[data-run="{run_id}"]')).to_contain_text("seeded run")
+    page.locator(f'tr[data-run="{run_id}"] a').click()
+
+    # One panel per group of metrics, each a canvas chart with every step.
+    charts = page.locator("[data-charts]")
+    expect(charts).to_have_attribute("data-ready", "true")
+    titles = [
+        "Reward",
+        "Response length",
+        "KL",
+        "Entropy",
+        "Staleness",
+        "Throughput",
+        "Sandbox latency",
+        "Errors",
+    ]
+    expect(page.locator(".chart-panel h3")).to_have_text(titles)
+    for title in titles:
+        panel = page.locator(f'.chart-panel[data-chart="{title}"]')
+        expect(panel.locator("canvas")).to_have_count(1)
+        expect(panel).to_have_attribute("data-points", "30")
+
+    # The first page of the run's episodes, newest first.
+    rows = page.locator("[data-episodes] tbody tr[data-episode]")
+    expect(rows).to_have_count(50)
+    expect(rows.first).to_have_attribute("data-episode", f"{run_id}-ep0119")
+    screenshot(page, "run")
+
+    # Live: a step recorded now shows up without reloading.
+    store = dashboard.store()
+    try:
+        store.record_metrics(run_id, 30, {"reward/mean": 1.0, "actor/kl": 0.5})
+    finally:
+        store.close()
+    expect(page.locator('.chart-panel[data-chart="Reward"]')).to_have_attribute("data-points", "31")
+    expect(page.locator('.chart-panel[data-chart="KL"]')).to_have_attribute("data-points", "31")
+
+    # Keyset paging: 50, 50, 20, then no older page; and back.
+    older = page.locator('[data-page="older"]')
+    older.click()
+    expect(rows.first).to_have_attribute("data-episode", f"{run_id}-ep0069")
+    expect(rows).to_have_count(50)
+    older.click()
+    expect(rows).to_have_count(20)
+    expect(rows.last).to_have_attribute("data-episode", f"{run_id}-ep0000")
+    expect(older).to_be_disabled()
+    page.locator('[data-page="newer"]').click()
+    expect(rows.first).to_have_attribute("data-episode", f"{run_id}-ep0069")
+
+    # Filters go into the URL and to the API: status, then stop reason, then error type.
+    page.select_option("select[name=status]", "failed")
+    expect(page).to_have_url(re.compile(r"status=failed"))
+    expect(rows).to_have_count(48)
+    expect(page.locator('[data-episodes] tbody tr[data-status="failed"]')).to_have_count(48)
+    page.select_option("select[name=stop_reason]", "sandbox_error")
+    expect(rows).to_have_count(24)
+    page.fill("input[name=error_type]", "EngineError")
+    page.press("input[name=error_type]", "Enter")
+    expect(page.locator("[data-episodes] .empty")).to_have_text("No episodes match.")
+    page.select_option("select[name=stop_reason]", "")
+    expect(rows).to_have_count(24)
+    expect(rows.first).to_contain_text("EngineError")
+    screenshot(page, "run-filtered")
+    # A filtered URL opens filtered.
+    page.reload()
+    expect(page.locator("select[name=status]")).to_have_value("failed")
+    expect(rows).to_have_count(24)
+
+
+def test_tokens_endpoint_pieces_join_to_the_text(dashboard: Any) -> None:
+    tokenizer = load_tokenizer("tiny")
+    text = "naïve café → 42 ✓ 🎉\nend"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = token_pieces(tokenizer, ids)
+    assert len(pieces) == len(ids)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert "\ufffd" not in "".join(pieces)
+    missing = httpx.get(f"{dashboard.url}/v1/tokens/no-such-episode", timeout=30)
+    assert missing.status_code == 404
+    assert missing.headers["content-type"] == "application/problem+json"
