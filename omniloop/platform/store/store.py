@@ -557,7 +557,10 @@ class Store:
         """
         if isinstance(names, str):
             raise InvalidArgument("names must be a list of metric names, not one string")
-        query = select(MetricRow).where(MetricRow.run_id == run_id)
+        # Plain columns and unvalidated records: a dashboard polls thousands of points, and ORM
+        # objects plus per-row validation cost ~10x the query itself.
+        query = select(MetricRow.name, MetricRow.step, MetricRow.value, MetricRow.recorded_at)
+        query = query.where(MetricRow.run_id == run_id)
         if names is not None:
             if not names:
                 return {}
@@ -569,9 +572,9 @@ class Store:
         with self._reading() as session:
             if not self._run_exists(session, run_id):
                 raise NotFound("run", run_id)
-            for row in session.scalars(query):
-                point = MetricPoint(step=row.step, value=row.value, time=row.recorded_at)
-                result.setdefault(row.name, []).append(point)
+            for name, step, value, recorded_at in session.execute(query):
+                point = MetricPoint.model_construct(step=step, value=value, time=recorded_at)
+                result.setdefault(name, []).append(point)
         return result
 
     # ---- episodes ----
