@@ -12,6 +12,13 @@ import typer
 app = typer.Typer(no_args_is_help=True)
 
 
+def _register_docker_commands() -> None:
+    # `build`, `reap`, `serve`: the Docker-side commands live with the Docker backend.
+    from omniloop.sandboxes.docker_cli import register
+
+    register(app)
+
+
 @app.callback()
 def sandbox() -> None:
     """Tool sandboxes (docker, gvisor, bwrap)."""
@@ -77,3 +84,6 @@ async def _run_once(config: Any, argv: list[str], data: bytes | None) -> Any:
         return await sandbox.exec(argv, stdin=data)
     finally:
         await sandbox.close()
+
+
+_register_docker_commands()

@@ -32,6 +32,8 @@ class SandboxLimits(StrictModel):
     """Size of the writable workspace."""
     tmp_mb: int = Field(default=512, gt=0)
     """Size of the `/tmp` tmpfs."""
+    inodes: int = Field(default=65536, gt=0)
+    """Most files and folders in the workspace, and again in `/tmp` (tmpfs `nr_inodes`)."""
     output_bytes: int = Field(default=64 * 1024, ge=2)
     """Cap on captured stdout and on stderr, each kept as head + tail."""
     ttl: float = Field(default=3600.0, gt=0)

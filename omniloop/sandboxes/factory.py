@@ -8,12 +8,15 @@ another's dependencies (the Docker SDK for `bwrap`, say).
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from omniloop.errors import SandboxError
 from omniloop.sandboxes.base import Sandbox
 from omniloop.sandboxes.config import SandboxConfig
+
+logger = logging.getLogger(__name__)
 
 SandboxCreator = Callable[[SandboxConfig], Awaitable[Sandbox]]
 """Makes one ready sandbox from a config; raises `SandboxError` when the host cannot and
@@ -41,8 +44,10 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "bwrap": Backend("omniloop.sandboxes.bwrap", "create_bwrap_sandbox", "bwrap_available"),
+    "docker": Backend("omniloop.sandboxes.docker", "create_docker_sandbox", "docker_available"),
+    "gvisor": Backend("omniloop.sandboxes.docker", "create_docker_sandbox", "gvisor_available"),
 }
-"""Backend name → where it lives. `docker` and `gvisor` register here."""
+"""Backend name → where it lives."""
 
 AUTO_ORDER = ("docker", "bwrap")
 """What `backend="auto"` tries, first available wins (only registered backends count)."""
@@ -64,12 +69,28 @@ def resolve_backend(config: SandboxConfig) -> str:
         return name
     for candidate in AUTO_ORDER:
         backend = BACKENDS.get(candidate)
-        if backend is not None and backend.is_available():
-            return candidate
+        if backend is None or not backend.is_available():
+            continue
+        if candidate == "docker" and not _docker_image_present(config.image):
+            # A reachable daemon without the sandbox image would fail every episode; fall back
+            # and say how to get the image.
+            logger.warning(
+                "Docker is reachable but has no image %r (build it with `omniloop sandbox "
+                "build`); using the next backend",
+                config.image,
+            )
+            continue
+        return candidate
     raise SandboxError(
         f"no sandbox backend can run on this host (tried {', '.join(AUTO_ORDER)}); "
         "install Docker, or bubblewrap for the `bwrap` backend"
     )
+
+
+def _docker_image_present(image: str) -> bool:
+    from omniloop.sandboxes.docker import image_present
+
+    return image_present(image)
 
 
 async def create_sandbox(config: SandboxConfig) -> Sandbox:
