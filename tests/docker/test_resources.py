@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 from docker.api.client import APIClient
+from docker.errors import NotFound
 
 from omniloop.errors import SandboxError
 from omniloop.sandboxes.config import SandboxConfig
@@ -55,11 +57,18 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
     frozen: list[float] = []
     running: list[float] = []
     for _ in range(3):
-        await asyncio.to_thread(docker_api.pause, bomb.container_id)
+        try:
+            await asyncio.to_thread(docker_api.pause, bomb.container_id)
+        except NotFound:
+            # gVisor's sentry can die at the host thread cap, taking the bomb with it: there
+            # is nothing left to compare against (checked below).
+            assert backend == "gvisor"
+            break
         try:
             frozen += await exec_latencies(neighbour, 8)
         finally:
-            await asyncio.to_thread(docker_api.unpause, bomb.container_id)
+            with contextlib.suppress(NotFound):
+                await asyncio.to_thread(docker_api.unpause, bomb.container_id)
         running += await exec_latencies(neighbour, 8)
     result = await task
     elapsed = time.monotonic() - start
@@ -74,7 +83,7 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
         while await bomb.healthy():
             assert time.monotonic() < deadline, f"bomb ended early, sandbox alive: {result}"
             await asyncio.sleep(0.1)
-    assert p99(running) < 2 * p99(frozen), (
+    assert (not running and backend == "gvisor") or p99(running) < 2 * p99(frozen), (
         f"neighbour exec p99 {p99(running) * 1000:.0f} ms with the bomb running vs "
         f"{p99(frozen) * 1000:.0f} ms with it frozen (median "
         f"{statistics.median(running) * 1000:.0f} vs {statistics.median(frozen) * 1000:.0f} ms)"
@@ -238,7 +247,7 @@ async def test_a5_cpu_burn_is_throttled_at_cpus_and_neighbour_keeps_its_share(
     # On a host saturated by others the windows are noisy (one 0.5 s window can swing by a
     # third); the median of paired windows is what is compared.
     ratios: list[float] = []
-    for _ in range(3):
+    for _ in range(5):
         # SIGSTOP/SIGCONT rather than the cgroup freezer, which cannot always freeze 64
         # throttled processes.
         assert (await burner.exec(["sh", "-c", "kill -STOP -1"])).ok
