@@ -11,7 +11,7 @@ setup:
 	@bash scripts/setup.sh
 
 run: setup
-	.venv/bin/omniloop rollout examples/calculator/config.yaml
+	.venv/bin/omniloop run examples/calculator/train.yaml
 
 lint: setup
 	.venv/bin/ruff check .

@@ -160,12 +160,16 @@ def episode_seed(seed: int, episode_id: str) -> int:
 
 
 def episode_plan(
-    config: RolloutConfig, tasks: list[Task]
+    config: RolloutConfig, tasks: list[Task], prefix: str = ""
 ) -> Iterator[tuple[Task, EpisodeSettings]]:
-    """Every (task, settings) pair of the run, in a stable order."""
+    """Every (task, settings) pair of the run, in a stable order.
+
+    `prefix` starts every episode id (and so changes trajectory ids and sampling seeds): a
+    training run that meets the same task in several steps gives each step its own, `step3/`.
+    """
     for task in tasks:
         for sample in range(config.samples_per_task):
-            episode_id = f"{task.id}/{sample}"
+            episode_id = f"{prefix}{task.id}/{sample}"
             sampling = config.sampling.model_copy(
                 update={"seed": episode_seed(config.seed, episode_id)}
             )

@@ -1,0 +1,189 @@
+"""Wall time of synchronous vs bounded-asynchronous RL on a long-tail agentic workload.
+
+The same run is trained twice, one after the other in this process, for the same number of
+steps: with `max_staleness=0` (rollout and training alternate) and `max_staleness=2`
+(rollouts of the next steps run while the trainer works). The workload is the toy tool task
+(`examples/toy_tool`, tiny model warm-started on the call format) with one change that makes
+it long-tailed, as agentic rollouts are: before the call runs, the episode's sandbox is busy for
+a heavy-tailed time (Pareto, shape 1.2, capped), drawn from the episode id, so both runs meet
+exactly the same durations. A sandbox that waits uses no CPU, as a remote tool or a test
+suite on another machine would; the CPU goes to the engine and the trainer, one torch thread
+each (set explicitly: on 2 cores two OpenMP threads per process wait on each other).
+
+Prints ONE JSON line:
+- `speedup`: wall seconds of the synchronous run's steps / the asynchronous run's steps (the
+  control loop only: start-up of engine, Ray and sandboxes is excluded, and reported apart);
+- `limit`: the best an overlap of the two stages could do, `(rollout + train) / max(rollout,
+  train)`, from the synchronous run's measured stage times (per step, averaged);
+- `speedup_of_limit`: `speedup / limit`;
+- `final_reward_sync`, `final_reward_async`: mean reward of each run's last three steps;
+- stage times, per-run wall times and CPU seconds, the load average, thread settings.
+
+    .venv/bin/python bench/async_speedup.py [--quick] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "examples" / "toy_tool"
+sys.path.insert(0, str(TOY))
+
+from agent import PREFILL, TOOLS, found_the_treasure  # noqa: E402
+
+from omniloop.agents.base import Session, Task  # noqa: E402
+from omniloop.tools import Toolset, parse_tool_calls  # noqa: E402
+from omniloop.tools.base import ToolContext  # noqa: E402
+
+PARETO_SHAPE = 1.2
+PARETO_SCALE_S = 0.25
+PARETO_CAP_S = 6.0
+
+__all__ = ["LongTailAgent", "build_agent", "found_the_treasure", "tool_wait"]
+
+
+def tool_wait(episode_id: str) -> float:
+    """Seconds the sandbox is busy in `episode_id`: Pareto(1.2) from 0.25 s, capped at 6 s."""
+    digest = hashlib.blake2b(episode_id.encode(), digest_size=8).digest()
+    u = (int.from_bytes(digest, "little") + 1) / 2**64
+    return min(PARETO_SCALE_S * u ** (-1.0 / PARETO_SHAPE), PARETO_CAP_S)
+
+
+class LongTailAgent:
+    """The toy agent, whose environment first takes a heavy-tailed time to get ready."""
+
+    def __init__(self) -> None:
+        self.toolset = Toolset(TOOLS)
+        self.tool_schemas: list[dict[str, Any]] = []
+
+    def opening(self, task: Task) -> list[dict[str, Any]]:
+        return task.messages()
+
+    async def run(self, task: Task, session: Session, context: ToolContext) -> None:
+        turn = await session.generate(prefill=PREFILL)
+        await context.sandbox.exec(["sleep", f"{tool_wait(context.episode_id):.3f}"])
+        calls = parse_tool_calls(turn.text).calls
+        records = await self.toolset.execute_all(calls, context, turn=0)
+        context.state.setdefault("tool_calls", []).extend(records)
+
+
+def build_agent() -> LongTailAgent:
+    return LongTailAgent()
+
+
+def _cpu_seconds() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_once(model: Path, run_dir: Path, max_staleness: int, steps: int) -> dict[str, Any]:
+    """Train `steps` steps; return wall/CPU seconds and the per-step metrics."""
+    from omniloop.config import load_config
+    from omniloop.platform.controller import run
+    from omniloop.platform.run_config import RunConfig
+
+    bench = Path(__file__).resolve()
+    config = load_config(
+        RunConfig,
+        TOY / "train.yaml",
+        [
+            f"model={model}",
+            f"run_dir={run_dir}",
+            f"steps={steps}",
+            f"max_staleness={max_staleness}",
+            f"checkpoint_every={steps}",
+            "tensorboard=false",
+            f"rollout.agent={bench}:build_agent",
+            f"rollout.rewards=[{bench}:found_the_treasure]",
+            "rollout.concurrency=96",
+            "rollout.sandbox.pool_size=32",
+        ],
+    )
+    cpu, wall = _cpu_seconds(), time.perf_counter()
+    asyncio.run(run(config))
+    total = time.perf_counter() - wall
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    loop = sum(m["perf/step_seconds"] for m in metrics)
+    return {
+        "wall_s": loop,
+        "startup_s": total - loop,
+        "cpu_s": _cpu_seconds() - cpu,
+        "metrics": metrics,
+    }
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 steps per run (< 5 minutes)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 20)")
+    args = parser.parse_args()
+    steps = args.steps or (8 if args.quick else 20)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+    from warm_start import warm_start
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
+        root = Path(scratch)
+        started = time.perf_counter()
+        model = warm_start(root / "model")
+        warm_s = time.perf_counter() - started
+        sync = train_once(model, root / "sync", 0, steps)
+        async_ = train_once(model, root / "async", 2, steps)
+
+    sm = sync["metrics"]
+    rollout = mean([m["perf/rollout_seconds"] for m in sm])
+    # The trainer's stage in a synchronous step: everything that is not rollout.
+    train = mean([m["perf/step_seconds"] - m["perf/rollout_seconds"] for m in sm])
+    limit = (rollout + train) / max(rollout, train)
+    speedup = sync["wall_s"] / async_["wall_s"]
+    result = {
+        "bench": "async_speedup",
+        "steps": steps,
+        "speedup": round(speedup, 3),
+        "limit": round(limit, 3),
+        "speedup_of_limit": round(speedup / limit, 3),
+        "final_reward_sync": round(mean([m["reward/mean"] for m in sm[-3:]]), 3),
+        "final_reward_async": round(mean([m["reward/mean"] for m in async_["metrics"][-3:]]), 3),
+        "rollout_s_per_step": round(rollout, 3),
+        "train_s_per_step": round(train, 3),
+        "optimizer_step_s": round(mean([m.get("perf/train_seconds", 0.0) for m in sm]), 3),
+        "sync_wall_s": round(sync["wall_s"], 2),
+        "async_wall_s": round(async_["wall_s"], 2),
+        "sync_cpu_s": round(sync["cpu_s"], 1),
+        "async_cpu_s": round(async_["cpu_s"], 1),
+        "async_staleness_max": max(m["staleness/max"] for m in async_["metrics"]),
+        "startup_s": round(sync["startup_s"] + async_["startup_s"], 1),
+        "warm_start_s": round(warm_s, 1),
+        "episodes_per_step": sm[0]["episodes/count"],
+        "tool_wait": f"pareto(shape={PARETO_SHAPE}, scale={PARETO_SCALE_S}s, cap={PARETO_CAP_S}s)",
+        "threads": {"engine": 1, "trainer": 1},
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

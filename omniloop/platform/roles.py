@@ -1,0 +1,363 @@
+"""The roles of a training run, run in this process behind the interfaces of `controller`.
+
+Each role talks to the others only through the data plane (its own client, as a separate
+service would have) and answers the controller's directives:
+
+- `LocalRollout.generate(k)`: runs step `k`'s episodes and writes each trajectory to partition
+  `k` as soon as it ends. The reward stage runs inside the episode (`run_episode` scores it
+  with the configured rewards), so the rollout writes the `reward` field itself, right after
+  the rollout fields. An infrastructure failure is written too, with reward NaN: it is part of
+  the step's record, and every later stage recognises it by `meta.stop_reason`.
+- `LocalAdvantage.compute(k)`: reads rewards as they arrive and, for each complete GRPO group,
+  writes the `advantages` field (group-normalised or leave-one-out, per token).
+- `LocalActor.train(k)`: streams the step's micro-batches as they become ready, drops
+  infrastructure failures and samples past the staleness bound (counted), and takes one
+  optimizer step on the rest. Exactly-once: the data plane never hands an id to the actor twice,
+  and the ids it handed out are part of the actor's checkpoint.
+- `ActorWeights.publish(v)`: hands the actor's weights to the configured weight sync (`disk` or
+  `distributed`, `omniloop.trainer.weight_sync`), which returns once every engine serves `v`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from omniloop.agents.base import Agent, Task
+from omniloop.agents.chat import ChatFormat
+from omniloop.inference.client import EngineClient
+from omniloop.platform.controller import RolloutReport, TrainReport
+from omniloop.platform.data import MicroBatch
+from omniloop.platform.episode import SandboxProvider, run_episode
+from omniloop.platform.rollout import episode_plan, write_trajectory
+from omniloop.platform.run_config import RunConfig
+from omniloop.platform.staleness import StalenessGate
+from omniloop.rewards import RewardFn
+from omniloop.trainer.advantages import group_advantages, rloo_advantages
+from omniloop.trainer.batch import TrainBatch
+from omniloop.trainer.config import AdvantageConfig
+from omniloop.trainer.torch_backend import TorchTrainerBackend
+from omniloop.trainer.weight_sync import WeightSync
+from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory, TrajectoryMeta
+
+if TYPE_CHECKING:
+    from omniloop.platform.data import DataPlane
+
+ADVANTAGE_FIELDS = ("reward", "loss_mask", "meta")
+"""What the advantage stage reads."""
+TRAIN_FIELDS = (
+    "input_ids",
+    "loss_mask",
+    "rollout_logprobs",
+    "weight_version",
+    "prompt_length",
+    "advantages",
+    "meta",
+)
+"""What the actor reads: a row is ready for training once its advantages are written."""
+
+EpisodeCallback = Callable[[int, int], None]
+"""`(step, episodes)`: called when a step starts (with its episode count) and per episode."""
+
+
+@asynccontextmanager
+async def _closing(stream: AsyncIterator[MicroBatch]) -> AsyncIterator[AsyncIterator[MicroBatch]]:
+    """Close a reader at the end of the block, so that rows it fetched but never handed out
+    return to the data plane at once (for the next reader of the step) instead of at GC."""
+    try:
+        yield stream
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def step_tasks(tasks: Sequence[Task], step: int, per_step: int) -> list[Task]:
+    """The tasks of rollout step `step`: the next `per_step` in file order, cycling.
+
+    The data position is the step: a resumed run meets exactly the tasks the interrupted one
+    would have. Raises `ValueError` if a step would hold a task twice (duplicate episode ids).
+    """
+    if per_step > len(tasks):
+        raise ValueError(f"tasks_per_step={per_step} but the task set holds only {len(tasks)}")
+    start = step * per_step
+    return [tasks[(start + i) % len(tasks)] for i in range(per_step)]
+
+
+class LocalRollout:
+    """The rollout role in this process (see the module docstring).
+
+    One concurrency bound (`rollout.concurrency`) is shared by every step in flight, so when
+    the staleness bound lets several steps run, the engine batches their episodes together, the
+    older step's first (the semaphore admits waiters in order).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        tasks: Sequence[Task],
+        agent: Agent,
+        rewards: Sequence[RewardFn],
+        chat: ChatFormat,
+        engine: EngineClient,
+        sandboxes: SandboxProvider,
+        data: DataPlane,
+        on_start: EpisodeCallback,
+        on_episode: EpisodeCallback,
+    ) -> None:
+        self._config = config
+        self._tasks = list(tasks)
+        self._agent = agent
+        self._rewards = list(rewards)
+        self._chat = chat
+        self._engine = engine
+        self._sandboxes = sandboxes
+        self._data = data
+        self._on_start = on_start
+        self._on_episode = on_episode
+        self._limit = asyncio.Semaphore(config.rollout.concurrency)
+        self._out_dir = Path(config.rollout.output)
+        self._out_dir.mkdir(parents=True, exist_ok=True)
+
+    async def generate(self, step: int) -> RolloutReport:
+        """Run step `step`'s episodes into partition `step`, then close it."""
+        started = time.perf_counter()
+        tasks = step_tasks(self._tasks, step, self._config.tasks_per_step)
+        plan = list(episode_plan(self._config.rollout, tasks, prefix=f"step{step}/"))
+        self._on_start(step, len(plan))
+        done: list[Trajectory] = []
+        with (self._out_dir / f"step_{step}.jsonl").open("w") as stream:
+            async with asyncio.TaskGroup() as group:
+                for task, settings in plan:
+                    group.create_task(self._episode(step, task, settings, stream, done))
+        await self._data.close_partition(step)
+        return RolloutReport(step, done, time.perf_counter() - started)
+
+    async def _episode(
+        self, step: int, task: Task, settings: Any, stream: Any, done: list[Trajectory]
+    ) -> None:
+        async with self._limit:
+            trajectory = await run_episode(
+                self._agent,
+                task,
+                engine=self._engine,
+                chat=self._chat,
+                sandbox_provider=self._sandboxes,
+                rewards=self._rewards,
+                settings=settings,
+            )
+        await self._data.put_rollout(step, [trajectory])
+        failed = trajectory.is_infra_failure or trajectory.reward is None
+        reward = math.nan if failed else trajectory.reward
+        await self._data.put_field(step, [trajectory.id], "reward", [reward])
+        write_trajectory(stream, trajectory)
+        done.append(trajectory)
+        self._on_episode(step, 1)
+
+
+class LocalAdvantage:
+    """The advantage stage in this process: group baselines over complete groups.
+
+    A group is complete when `group_size` rows of it have arrived; the rows of a step's closed
+    partition that are still grouped at the end (a group cut short) are scored as they are.
+    Infrastructure failures get advantage 0 and are left out of their group's statistics.
+    """
+
+    def __init__(
+        self, data: DataPlane, config: AdvantageConfig, group_size: int, read_timeout: float
+    ) -> None:
+        self._data = data
+        self._config = config
+        self._group_size = group_size
+        self._read_timeout = read_timeout
+
+    async def compute(self, step: int) -> dict[str, float]:
+        """Write `advantages` for every row of step `step`; return `advantage/*` metrics."""
+        groups: dict[str, list[tuple[str, float, bool, torch.Tensor]]] = {}
+        scored: list[tuple[float, bool]] = []
+        stream = self._data.iter_micro_batches(
+            step, ADVANTAGE_FIELDS, self._group_size, "advantage", timeout_s=self._read_timeout
+        )
+        async with _closing(stream) as batches:
+            async for batch in batches:
+                for i, row_id in enumerate(batch.ids):
+                    meta = batch["meta"][i]
+                    valid = meta["stop_reason"] not in INFRA_STOP_REASONS
+                    row = (row_id, float(batch["reward"][i]), valid, batch["loss_mask"][i])
+                    members = groups.setdefault(meta["group_id"], [])
+                    members.append(row)
+                    if len(members) == self._group_size:
+                        scored += await self._write(step, groups.pop(meta["group_id"]))
+        for members in groups.values():
+            scored += await self._write(step, members)
+        valid_adv = [a for a, ok in scored if ok]
+        n = max(len(valid_adv), 1)
+        return {
+            "advantage/abs_mean": sum(abs(a) for a in valid_adv) / n,
+            "advantage/zero_frac": sum(a == 0.0 for a in valid_adv) / n,
+        }
+
+    async def _write(
+        self, step: int, members: list[tuple[str, float, bool, torch.Tensor]]
+    ) -> list[tuple[float, bool]]:
+        rewards = torch.tensor([m[1] for m in members])
+        valid = torch.tensor([m[2] for m in members])
+        one_group = torch.zeros(len(members), dtype=torch.long)
+        if self._config.estimator == "grpo":
+            adv = group_advantages(
+                rewards,
+                one_group,
+                valid,
+                normalize_std=self._config.normalize_std,
+                eps=self._config.eps,
+            )
+        else:
+            adv = rloo_advantages(rewards, one_group, valid)
+        pairs = list(zip(adv.tolist(), members, strict=True))
+        per_token = [(a * m[3].float()).tolist() for a, m in pairs]
+        await self._data.put_field(step, [m[0] for m in members], "advantages", per_token)
+        return [(float(a), m[2]) for a, m in pairs]
+
+
+def _row_trajectory(batch: MicroBatch, i: int) -> Trajectory:
+    """The trajectory of row `i` of a micro-batch read with `TRAIN_FIELDS`."""
+    return Trajectory(
+        id=batch.ids[i],
+        input_ids=batch["input_ids"][i].tolist(),
+        loss_mask=batch["loss_mask"][i].tolist(),
+        rollout_logprobs=batch["rollout_logprobs"][i].tolist(),
+        weight_version=batch["weight_version"][i].tolist(),
+        prompt_length=int(batch["prompt_length"][i]),
+        meta=TrajectoryMeta.model_validate(batch["meta"][i]),
+    )
+
+
+class LocalActor:
+    """The actor role in this process: a `TorchTrainerBackend` fed from the data plane.
+
+    Its checkpoint holds the trainer's (weights, optimizer, version), the data position (the
+    next step) and the ids handed to it by the data plane, so that a resumed actor trains every
+    remaining id exactly once.
+    """
+
+    def __init__(self, backend: TorchTrainerBackend, data: DataPlane, config: RunConfig) -> None:
+        self._backend = backend
+        self._data = data
+        self._micro_batch_size = config.trainer.micro_batch_size
+        self._read_timeout = config.data_plane.read_timeout
+        # Trainer-side defence in depth (DESIGN.md §2): the producers are throttled by the
+        # controller's gate; this one only audits what arrives.
+        self._gate = StalenessGate(config.max_staleness)
+
+    @property
+    def version(self) -> int:
+        """The weight version: optimizer steps applied so far."""
+        return self._backend.version
+
+    async def train(self, step: int) -> TrainReport:
+        """One optimizer step on step `step`'s admitted samples (none: no step is taken)."""
+        started = time.perf_counter()
+        version = self._backend.version
+        kept: list[Trajectory] = []
+        advantages: list[list[float]] = []
+        trained: list[tuple[str, int]] = []
+        excluded = 0
+        stream = self._data.iter_micro_batches(
+            step, TRAIN_FIELDS, self._micro_batch_size, "actor", timeout_s=self._read_timeout
+        )
+        async with _closing(stream) as batches:
+            async for batch in batches:
+                for i in range(len(batch)):
+                    trajectory = _row_trajectory(batch, i)
+                    if trajectory.is_infra_failure:
+                        excluded += 1
+                        continue
+                    versions = zip(trajectory.weight_version, trajectory.loss_mask, strict=True)
+                    sampled = [v for v, m in versions if m]
+                    if not sampled or not self._gate.admit(min(sampled), version):
+                        continue
+                    kept.append(trajectory)
+                    advantages.append(batch["advantages"][i].tolist())
+                    trained.append((trajectory.id, min(sampled)))
+        waited = time.perf_counter() - started
+        metrics: dict[str, float] = {}
+        if kept:
+            # PPO's pi_old is the policy that sampled the data: the engine's logprobs. With
+            # stale samples the ratio to the current policy is then real and the clip bounds
+            # how far one step moves on them (with the backend's default, the current policy's
+            # own logprobs, stale samples would be trained as if on-policy, unclipped).
+            behaviour = [t.rollout_logprobs for t in kept]
+            batch_ = TrainBatch.from_trajectories(kept, advantages, old_logprobs=behaviour)
+            raw = await asyncio.to_thread(self._backend.train_step, batch_)
+            # The backend's own timing keys describe the optimizer step alone.
+            renames = {
+                "perf/step_seconds": "perf/train_seconds",
+                "perf/tokens_per_second": "perf/train_tokens_per_second",
+            }
+            metrics = {renames.get(k, k): v for k, v in raw.items()}
+        metrics.update(self._gate.metrics(reset=True))
+        metrics["perf/train_wait_seconds"] = waited
+        metrics["actor/excluded_infra_failures"] = float(excluded)
+        await self._data.clear(step)
+        return TrainReport(
+            step=step,
+            trained_version=version,
+            version=self._backend.version,
+            trained=trained,
+            metrics=metrics,
+        )
+
+    async def save(self, path: Path, step: int) -> None:
+        """Checkpoint to `path`: trainer state plus data position `step` and consumed ids."""
+        position = {
+            "step": step,
+            "consumed": self._data.consumed_state(),
+            "rng": {
+                "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+                "python": _python_rng_state(),
+            },
+        }
+        await asyncio.to_thread(self._backend.save, path, position)
+
+    async def load(self, path: Path) -> int:
+        """Restore a `save` checkpoint; returns the step to continue from."""
+        position = await asyncio.to_thread(self._backend.load, path)
+        self._data.restore_consumed(position["consumed"])
+        state = base64.b64decode(position["rng"]["torch"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        version, internal, gauss = position["rng"]["python"]
+        random.setstate((version, tuple(internal), gauss))
+        return int(position["step"])
+
+
+def _python_rng_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+class ActorWeights:
+    """The `sync` directive: the actor's current weights, published to every engine.
+
+    `sync` is any `omniloop.trainer.weight_sync.WeightSync` (`disk` or `distributed`); this
+    only pairs it with the weights it publishes.
+    """
+
+    def __init__(self, backend: TorchTrainerBackend, sync: WeightSync) -> None:
+        self._backend = backend
+        self._sync = sync
+
+    async def publish(self, version: int) -> dict[str, float]:
+        """Return once every engine serves the actor's weights as `version`."""
+        started = time.perf_counter()
+        metrics = await self._sync.publish(self._backend.named_weights(), version)
+        return {**metrics, "perf/sync_seconds": time.perf_counter() - started}

@@ -1,0 +1,115 @@
+"""`RunConfig`: everything `omniloop run` needs, in one typed, documented model.
+
+A run is the rollout of `omniloop rollout` (tasks, agent, rewards, engine, sandboxes, sampling)
+repeated for `steps` steps, each followed by one optimizer step of the trainer. The rollout
+section is a `RolloutConfig` as is, so a rollout config can be pasted under `rollout:`. Three of
+its fields are owned by the run and filled in from it: `rollout.engine.model` (from `model`),
+`rollout.seed` (from `seed`) and `rollout.output` (the run's trajectory folder). Setting them to
+something else is an error rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+
+from omniloop.config import StrictModel
+from omniloop.platform.rollout import RolloutConfig
+from omniloop.platform.staleness import MaxStaleness
+from omniloop.trainer.config import TrainerConfig
+from omniloop.trainer.weight_sync import WeightSyncConfig
+
+
+class DataPlaneSettings(StrictModel):
+    """Where the data plane (TransferQueue on Ray) runs."""
+
+    ray_address: str | None = None
+    """Ray cluster to join; None starts a private local instance for the run."""
+    num_cpus: int = Field(default=8, ge=1)
+    """Logical CPUs of a private Ray instance (placement only; more than the cores is fine)."""
+    read_timeout: float = Field(default=1800.0, gt=0)
+    """Seconds a role may wait for the next row of a step before the run fails with a
+    description of the stall. Generous: a step's slowest episode can take minutes."""
+
+
+class RunConfig(StrictModel):
+    """An RL training run: rollouts, rewards, advantages, optimizer steps, weight syncs."""
+
+    model: str = "smollm2"
+    """The policy: `smollm2`, `tiny`, or a Hugging Face model folder. The trainer starts from
+    it and a local engine serves it; both resolve it the same way (`resolve_model`)."""
+    rollout: RolloutConfig
+    """Tasks, agent, rewards, engine, sandboxes and sampling, exactly as for `omniloop rollout`.
+    `rollout.samples_per_task` is the GRPO group size; `rollout.concurrency` bounds the episodes
+    running at once across all steps in flight."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The trainer: optimizer, micro-batching, loss and advantage estimator."""
+    sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """Weight sync from the trainer to the engines after every optimizer step (`distributed`:
+    a gloo/NCCL broadcast; `disk`: a safetensors folder the engines load)."""
+    steps: int = Field(default=10, ge=1)
+    """Optimizer steps of the run (one per rollout step)."""
+    tasks_per_step: int = Field(default=8, ge=1)
+    """Tasks per rollout step; each gets `rollout.samples_per_task` episodes. Tasks are taken in
+    file order, cycling, by data position: step `k` uses tasks `k*tasks_per_step ...`."""
+    max_staleness: MaxStaleness = 1
+    """How many optimizer steps the weights that sampled a trained token may lag behind the
+    trainer: 0 is on-policy (rollout and training alternate), `k` lets rollouts run up to `k`
+    steps ahead of training, `inf` is fully asynchronous."""
+    checkpoint_every: int = Field(default=5, ge=1)
+    """Save a checkpoint every this many steps (and always after the last one)."""
+    keep_checkpoints: int = Field(default=2, ge=1)
+    """Most checkpoints kept on disk; older ones are deleted after a newer one is complete."""
+    run_dir: str = "runs/run"
+    """Folder of the run: `config.yaml`, `metrics.jsonl`, `trained.jsonl`, `trajectories/`,
+    `checkpoints/`, `tensorboard/`, `engine.log`."""
+    seed: int = 0
+    """Seeds the trainer's RNGs and, as `rollout.seed`, every episode's sampling."""
+    trainer_threads: int | None = Field(default=None, ge=1)
+    """torch threads of the trainer (this process); None leaves torch's default. On a small
+    machine give the engine and the trainer one thread each: OpenMP threads competing for
+    the same cores wait on each other."""
+    data_plane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
+    """The data plane."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to `RUN_DIR/tensorboard` (needs `tensorboard`)."""
+
+    @model_validator(mode="after")
+    def _derive_rollout(self) -> RunConfig:
+        rollout = self.rollout
+        trajectories = str(Path(self.run_dir) / "trajectories")
+        owned = (
+            ("rollout.engine.model", rollout.engine, "model", self.model, "model"),
+            ("rollout.seed", rollout, "seed", self.seed, "seed"),
+            ("rollout.output", rollout, "output", trajectories, "run_dir"),
+        )
+        for dotted, section, name, value, source in owned:
+            if name in section.model_fields_set and getattr(section, name) != value:
+                raise ValueError(
+                    f"{dotted} is set by the run from `{source}` ({value!r}); "
+                    f"remove {dotted} (got {getattr(section, name)!r})"
+                )
+        engine = rollout.engine.model_copy(update={"model": self.model})
+        self.rollout = rollout.model_copy(
+            update={"engine": engine, "seed": self.seed, "output": trajectories}
+        )
+        if self.rollout.samples_per_task < 2:
+            raise ValueError(
+                "rollout.samples_per_task must be at least 2: group baselines (GRPO, RLOO) "
+                "give a group of one sample no advantage, so nothing would be learned"
+            )
+        return self
+
+
+def config_yaml(config: RunConfig) -> str:
+    """The resolved config as YAML, without the fields the run derives (they follow from
+    `model`, `seed` and `run_dir`), so the file loads again with other overrides."""
+    import yaml
+
+    data = config.model_dump(mode="json")
+    rollout = data["rollout"]
+    for name in ("seed", "output"):
+        rollout.pop(name)
+    rollout["engine"].pop("model")
+    return yaml.safe_dump(data, sort_keys=False)

@@ -1,0 +1,64 @@
+"""Fixtures for training-loop tests: the toy tool task on the warm-started tiny model.
+
+Everything is real: the CPU engine over HTTP, bwrap sandboxes, TransferQueue on Ray, the torch
+trainer. The warm-started model is built once per session (about a minute on 2 busy cores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from omniloop.config import load_config
+from omniloop.platform.run_config import RunConfig
+
+REPO = Path(__file__).resolve().parents[3]
+TOY = REPO / "examples" / "toy_tool"
+TOY_CONFIG = TOY / "train.yaml"
+
+
+def _load_example(name: str) -> ModuleType:
+    """An example's module by file, with its folder importable (examples import siblings)."""
+    if str(TOY) not in sys.path:
+        sys.path.insert(0, str(TOY))
+    spec = importlib.util.spec_from_file_location(f"toy_tool_{name}", TOY / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model warm-started on the toy task's call format (uniformly random tools)."""
+    warm_start = _load_example("warm_start")
+    return Path(warm_start.warm_start(tmp_path_factory.mktemp("toy") / "model"))
+
+
+ConfigFactory = Callable[..., RunConfig]
+
+
+@pytest.fixture(scope="session")
+def toy_config(toy_model: Path) -> ConfigFactory:
+    """`toy_config(run_dir, {"dotted.key": value})`: the example's config, test overrides."""
+
+    def build(run_dir: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+        items = [f"model={toy_model}", f"run_dir={run_dir}", "tensorboard=false"]
+        items += [f"{k}={json.dumps(v)}" for k, v in (overrides or {}).items()]
+        return load_config(RunConfig, TOY_CONFIG, items)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def toy_config_path() -> Path:
+    """The toy example's run config file."""
+    return TOY_CONFIG

@@ -1,0 +1,72 @@
+"""The actor's defence in depth: rows past the staleness bound and infrastructure failures that
+reach it anyway (a producer that skipped the gate, a restored run) are refused and counted, and
+only the rest is trained.
+
+Rows are written straight into a real TransferQueue partition, as a misbehaving producer would.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+
+from omniloop.platform.data import DataPlane, DataPlaneConfig
+from omniloop.platform.roles import LocalActor
+from omniloop.platform.rollout import RolloutConfig
+from omniloop.platform.run_config import RunConfig
+from omniloop.trainer.config import TrainerConfig
+from omniloop.trainer.torch_backend import TorchTrainerBackend
+from omniloop.trajectory import StopReason, Trajectory, TrajectoryBuilder, TrajectoryMeta
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def plane() -> Iterator[DataPlane]:
+    temp = tempfile.mkdtemp(prefix="omniloop-test-ray-", dir="/tmp")
+    started = DataPlane.start(DataPlaneConfig(ray_temp_dir=temp, max_poll_interval_s=0.02))
+    try:
+        yield started
+    finally:
+        started.close()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def sample(episode: str, version: int, stop: StopReason = "stop") -> Trajectory:
+    builder = TrajectoryBuilder([1, 2, 3, 4])
+    builder.add_sampled([500, 600, 700], [-1.0, -2.0, -0.5], version)
+    meta = TrajectoryMeta(run_id="actor-test", episode_id=episode, group_id="g", stop_reason=stop)
+    return builder.build(meta)
+
+
+async def test_actor_refuses_stale_samples_and_infra_failures(plane: DataPlane) -> None:
+    config = RunConfig(
+        model="tiny",
+        rollout=RolloutConfig(tasks="unused.jsonl", agent="unused.py:agent", samples_per_task=2),
+        trainer=TrainerConfig(device="cpu", lr=1e-4, micro_batch_size=2),
+        max_staleness=1,
+    )
+    backend = TorchTrainerBackend("tiny", config.trainer)
+    backend.version = 3  # the trainer has taken three optimizer steps
+    rows = [sample(f"v{v}", v) for v in range(4)] + [sample("broken", 3, "sandbox_error")]
+    step = 7
+    await plane.put_rollout(step, rows)
+    rewards = [math.nan if t.is_infra_failure else 1.0 for t in rows]
+    await plane.put_field(step, [t.id for t in rows], "reward", rewards)
+    advantages = [[0.0] * 4 + [1.0] * 3 for _ in rows]
+    await plane.put_field(step, [t.id for t in rows], "advantages", advantages)
+    await plane.close_partition(step)
+
+    report = await LocalActor(backend, plane, config).train(step)
+
+    # Staleness 3 - v: v0 and v1 are past the bound of 1; v2 and v3 are trained.
+    assert {i for i, _ in report.trained} == {rows[2].id, rows[3].id}
+    assert dict(report.trained) == {rows[2].id: 2, rows[3].id: 3}
+    assert report.metrics["staleness/refused"] == 2
+    assert report.metrics["staleness/max"] == 1
+    assert report.metrics["actor/excluded_infra_failures"] == 1
+    assert (report.trained_version, report.version, backend.version) == (3, 4, 4)
