@@ -94,6 +94,8 @@ def backend(request: pytest.FixtureRequest, docker_api: APIClient) -> str:
     if name == "gvisor" and not runsc_registered(docker_api):
         if shutil.which("runsc"):
             pytest.fail("runsc is installed but not registered with the Docker daemon")
+        if os.environ.get("CI"):
+            pytest.fail("runsc (gVisor) is missing; scripts/setup.sh installs it")
         pytest.skip("runsc (gVisor) is not installed on this host")
     return name
 

@@ -21,7 +21,11 @@ from omniloop.tools import (
 )
 from omniloop.trajectory import ToolCallRecord
 
-pytestmark = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap cannot run on this host")
+
+@pytest.fixture(autouse=True, scope="module")
+def _bwrap_runs_here() -> None:
+    # Never skipped: make test installs bubblewrap, so a host without it is a set-up failure.
+    assert bwrap_available(), "bubblewrap cannot run on this host (scripts/setup.sh installs it)"
 
 
 @pytest.fixture
