@@ -7,6 +7,11 @@ rarely states the number unprompted. So the call turn is prefilled up to the end
 expression (the model closes the call, `)"}}`), and the answer turn starts with
 `The answer is ` (the model writes the number). RL then learns to close the call cleanly and to
 report the tool's result instead of a guess.
+
+The prompt carries no tool-schema block (the call is prefilled, so the model never has to
+choose a tool or recall its format): ~45 prompt tokens instead of ~240 makes an optimizer step
+about three times cheaper on a CPU, for somewhat fewer well-formed calls at the start (8 in 32
+against 7 in 16 with the schema, measured the same way).
 """
 
 from __future__ import annotations
@@ -33,10 +38,10 @@ class CalculatorAgent:
 
     def __init__(self) -> None:
         self.toolset = Toolset([python])
-        self.tool_schemas: list[dict[str, Any]] = self.toolset.schemas()
+        self.tool_schemas: list[dict[str, Any]] = []
 
     def opening(self, task: Task) -> list[Message]:
-        """The system prompt (the chat template adds the tool) and the question."""
+        """The system prompt and the question."""
         return task.messages(SYSTEM_PROMPT)
 
     async def run(self, task: Task, session: Session, context: ToolContext) -> None:
