@@ -5,7 +5,7 @@ steps: with `max_staleness=0` (rollout and training alternate) and `max_stalenes
 (rollouts of the next steps run while the trainer works). The workload is the toy tool task
 (`examples/toy_tool`, tiny model warm-started on the call format) with one change that makes
 it long-tailed, as agentic rollouts are: before the call runs, the episode's sandbox is busy for
-a heavy-tailed time (Pareto, shape 1.2, scale 0.1 s, capped at 4 s), drawn from the episode
+a heavy-tailed time (Pareto, shape 1.2, scale 0.15 s, capped at 5 s), drawn from the episode
 id, so both runs meet exactly the same durations. A sandbox that waits uses no CPU, as a remote
 tool or a test suite on another machine would; the CPU goes to the engine and the trainer, one
 torch thread each (set explicitly: on 2 cores two OpenMP threads per process wait on each
@@ -52,14 +52,14 @@ from omniloop.tools.base import ToolContext  # noqa: E402
 # Chosen so that a step's rollout (generation plus its slowest wait) and its optimizer step take
 # comparable time on a 2-core machine, the regime where overlapping them pays the most.
 PARETO_SHAPE = 1.2
-PARETO_SCALE_S = 0.1
-PARETO_CAP_S = 4.0
+PARETO_SCALE_S = 0.15
+PARETO_CAP_S = 5.0
 
 __all__ = ["LongTailAgent", "build_agent", "found_the_treasure", "tool_wait"]
 
 
 def tool_wait(episode_id: str) -> float:
-    """Seconds the sandbox is busy in `episode_id`: Pareto(1.2) from 0.1 s, capped at 4 s."""
+    """Seconds the sandbox is busy in `episode_id`: Pareto(1.2) from 0.15 s, capped at 5 s."""
     digest = hashlib.blake2b(episode_id.encode(), digest_size=8).digest()
     u = (int.from_bytes(digest, "little") + 1) / 2**64
     return min(PARETO_SCALE_S * u ** (-1.0 / PARETO_SHAPE), PARETO_CAP_S)
@@ -116,10 +116,8 @@ def train_once(model: Path, run_dir: Path, max_staleness: int, steps: int) -> di
             "tensorboard=false",
             f"rollout.agent={bench}:build_agent",
             f"rollout.rewards=[{bench}:found_the_treasure]",
-            # 64 episodes per step: an optimizer step of a few seconds, comparable to a
-            # rollout whose slowest of 64 waits is typically 2-4 s.
-            "tasks_per_step=8",
-            "rollout.concurrency=192",
+            # Room for the three steps a bound of 2 lets run at once (32 episodes each).
+            "rollout.concurrency=96",
             "rollout.sandbox.pool_size=32",
         ],
     )

@@ -42,7 +42,7 @@ import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from rich.progress import Progress, TaskID
 
@@ -51,9 +51,6 @@ from omniloop.platform.metrics import MetricsSink, step_metrics, truncate_jsonl
 from omniloop.platform.run_config import RunConfig, config_yaml
 from omniloop.platform.staleness import StalenessGate
 from omniloop.trajectory import Trajectory
-
-T = TypeVar("T")
-
 
 # -- what roles report ------------------------------------------------------------------------
 
@@ -152,7 +149,7 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
     gate = StalenessGate(config.max_staleness, trainer_version=start)
 
     async def produce(step: int) -> tuple[RolloutReport, dict[str, float]]:
-        await gate.wait(step)
+        await gate.wait(step)  # until step - steps_trained <= max_staleness
         rollout, advantages = await _together(
             roles.rollout.generate(step), roles.advantage.compute(step)
         )
@@ -162,6 +159,7 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
     last = time.perf_counter()
     try:
         for step in range(start, config.steps):
+            # The actor streams step k's rows while they are still being produced.
             trained, (rollout, advantages) = await _together(
                 roles.actor.train(step), production[step]
             )
@@ -169,6 +167,7 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
             synced = {}
             if trained.version != trained.trained_version:
                 synced = await roles.sync.publish(trained.version)
+            # Only after the sync: a rollout this releases must sample the new weights.
             gate.advance(step + 1)
             now = time.perf_counter()
             record.step(rollout, advantages, trained, synced, seconds=now - last)
@@ -334,7 +333,9 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
     rewards = build_rewards(config.rollout.rewards)
     chat = ChatFormat(load_tokenizer(config.model), agent.tool_schemas)
     plane_config = DataPlaneConfig(
-        ray_address=config.data_plane.ray_address, num_cpus=config.data_plane.num_cpus
+        ray_address=config.data_plane.ray_address,
+        num_cpus=config.data_plane.num_cpus,
+        ray_temp_dir=config.data_plane.ray_temp_dir,
     )
 
     async with contextlib.AsyncExitStack() as stack:

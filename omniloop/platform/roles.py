@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -37,7 +37,7 @@ from omniloop.agents.chat import ChatFormat
 from omniloop.inference.client import EngineClient
 from omniloop.platform.controller import RolloutReport, TrainReport
 from omniloop.platform.data import MicroBatch
-from omniloop.platform.episode import SandboxProvider, run_episode
+from omniloop.platform.episode import EpisodeSettings, SandboxProvider, run_episode
 from omniloop.platform.rollout import episode_plan, write_trajectory
 from omniloop.platform.run_config import RunConfig
 from omniloop.platform.staleness import StalenessGate
@@ -144,7 +144,12 @@ class LocalRollout:
         return RolloutReport(step, done, time.perf_counter() - started)
 
     async def _episode(
-        self, step: int, task: Task, settings: Any, stream: Any, done: list[Trajectory]
+        self,
+        step: int,
+        task: Task,
+        settings: EpisodeSettings,
+        stream: TextIO,
+        done: list[Trajectory],
     ) -> None:
         async with self._limit:
             trajectory = await run_episode(

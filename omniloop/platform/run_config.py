@@ -28,6 +28,9 @@ class DataPlaneSettings(StrictModel):
     """Ray cluster to join; None starts a private local instance for the run."""
     num_cpus: int = Field(default=8, ge=1)
     """Logical CPUs of a private Ray instance (placement only; more than the cores is fine)."""
+    ray_temp_dir: str | None = None
+    """Temp dir of a private Ray instance (keep it short: Ray's socket paths live in it); None
+    makes a fresh one under the system temp dir and removes it at the end of the run."""
     read_timeout: float = Field(default=1800.0, gt=0)
     """Seconds a role may wait for the next row of a step before the run fails with a
     description of the stall. Generous: a step's slowest episode can take minutes."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -62,18 +64,29 @@ def test_killed_run_resumes_and_trains_every_trajectory_exactly_once(
     toy_model: Path, toy_config_path: Path, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
+    # Ray's files of the killed run are not removed by it; a short path of our own is.
+    ray_dir = tempfile.mkdtemp(prefix="omniloop-test-ray-", dir="/tmp")
     overrides = [
         f"model={toy_model}", f"run_dir={run_dir}", f"steps={STEPS}", "checkpoint_every=1",
         f"tasks_per_step={TASKS_PER_STEP}", f"rollout.samples_per_task={SAMPLES}",
-        "max_staleness=1", "tensorboard=false",
+        "max_staleness=1", "tensorboard=false", f"data_plane.ray_temp_dir={ray_dir}",
     ]  # fmt: skip
-    log = (tmp_path / "first.log").open("wb")
-    first = subprocess.Popen(
-        [OMNILOOP, "run", str(toy_config_path), *overrides],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    try:
+        _kill_and_resume(run_dir, toy_config_path, overrides, tmp_path)
+    finally:
+        shutil.rmtree(ray_dir, ignore_errors=True)
+
+
+def _kill_and_resume(
+    run_dir: Path, toy_config_path: Path, overrides: list[str], tmp_path: Path
+) -> None:
+    with (tmp_path / "first.log").open("wb") as log:
+        first = subprocess.Popen(
+            [OMNILOOP, "run", str(toy_config_path), *overrides],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 600
         while not (run_dir / "checkpoints" / "step_2" / "trainer_state.json").is_file():
