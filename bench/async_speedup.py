@@ -114,6 +114,7 @@ def train_once(model: Path, run_dir: Path, max_staleness: int, steps: int) -> di
             f"max_staleness={max_staleness}",
             f"checkpoint_every={steps}",
             "tensorboard=false",
+            f"database=sqlite:///{run_dir}/omniloop.db",
             f"rollout.agent={bench}:build_agent",
             f"rollout.rewards=[{bench}:found_the_treasure]",
             # Room for the three steps a bound of 2 lets run at once (32 episodes each).

@@ -39,10 +39,11 @@ import math
 import random
 import shutil
 import time
-from collections.abc import Awaitable
+import uuid
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.progress import Progress, TaskID
 
@@ -51,6 +52,9 @@ from omniloop.platform.metrics import MetricsSink, step_metrics, truncate_jsonl
 from omniloop.platform.run_config import RunConfig, config_yaml
 from omniloop.platform.staleness import StalenessGate
 from omniloop.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from omniloop.platform.store import AsyncStore
 
 # -- what roles report ------------------------------------------------------------------------
 
@@ -170,7 +174,7 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
             # Only after the sync: a rollout this releases must sample the new weights.
             gate.advance(step + 1)
             now = time.perf_counter()
-            record.step(rollout, advantages, trained, synced, seconds=now - last)
+            await record.step(rollout, advantages, trained, synced, seconds=now - last)
             last = now
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 await record.checkpoint(roles.actor, step + 1)
@@ -196,16 +200,29 @@ async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> tuple[Any,
 
 
 class RunRecord:
-    """The run's files and console output, one `step` call per trained step."""
+    """The run's files, database records and console output, one `step` call per trained step.
+
+    The database gets each step's metrics and episodes (with their trajectories) once the step
+    is trained, in one transaction each, so the dashboard shows a run as it trains.
+    """
 
     def __init__(
-        self, config: RunConfig, sink: MetricsSink, progress: Progress, *, resume_step: int
+        self,
+        config: RunConfig,
+        sink: MetricsSink,
+        progress: Progress,
+        store: AsyncStore,
+        *,
+        resume_step: int,
     ) -> None:
+        assert config.run_id is not None, "the run id is resolved before the run starts"
         self.run_dir = Path(config.run_dir)
         self.trained_path = self.run_dir / "trained.jsonl"
+        self.run_id = config.run_id
         self._config = config
         self._sink = sink
         self._progress = progress
+        self._store = store
         self._bars: dict[int, TaskID] = {}
         for path in (self.trained_path, sink.path):
             truncate_jsonl(path, resume_step)
@@ -218,7 +235,7 @@ class RunRecord:
         """Advance `step`'s bar by `count` finished episodes."""
         self._progress.advance(self._bars[step], count)
 
-    def step(
+    async def step(
         self,
         rollout: RolloutReport,
         advantages: dict[str, float],
@@ -227,7 +244,8 @@ class RunRecord:
         *,
         seconds: float,
     ) -> dict[str, float]:
-        """Append the step's trained ids and metrics; print its summary line."""
+        """Append the step's trained ids and metrics, record them and its episodes in the
+        database; print its summary line."""
         metrics = {**rollout.metrics(), **advantages, **trained.metrics, **synced}
         metrics["kl"] = trained.metrics.get("actor/ppo_kl", math.nan)
         metrics["entropy"] = trained.metrics.get("actor/entropy", math.nan)
@@ -243,6 +261,10 @@ class RunRecord:
             }
             stream.write(json.dumps(line) + "\n")
         self._progress.remove_task(self._bars.pop(trained.step))
+        await self._store.record_episodes(
+            self.run_id, rollout.trajectories, agent=self._config.rollout.agent
+        )
+        await self._store.record_metrics(self.run_id, trained.step, metrics)
         self._sink.log(trained.step, metrics, total_steps=self._config.steps)
         return metrics
 
@@ -308,6 +330,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         progress_bar,
         sandbox_pool,
     )
+    from omniloop.platform.store import AsyncStore
     from omniloop.trainer.torch_backend import TorchTrainerBackend
     from omniloop.trainer.weight_sync import make_weight_sync
 
@@ -321,6 +344,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml(config))
+    config = with_run_id(config, resume=resume)
     if config.trainer_threads is not None:
         torch.set_num_threads(config.trainer_threads)
     seed_everything(config.seed)
@@ -338,7 +362,13 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         ray_temp_dir=config.data_plane.ray_temp_dir,
     )
 
+    store = AsyncStore.open(config.database)
+    await store.migrate()
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(store.close)
+        await stack.enter_async_context(recorded_run(store, config, resume=resume))
+        database = store.store.engine.url.render_as_string(hide_password=True)
+        console.print(f"[bold]run[/bold] {config.run_id} recorded in {database}", soft_wrap=True)
         # Ray and the queue, the engine and the trainer's model start side by side.
         plane_start = asyncio.ensure_future(asyncio.to_thread(DataPlane.start, plane_config))
         stack.push_async_callback(_close_plane, plane_start)
@@ -369,7 +399,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
             console.print(
                 f"[bold]resumed from[/bold] {found[-1]} (version {actor.version})", soft_wrap=True
             )
-        record = RunRecord(config, sink, progress, resume_step=start)
+        record = RunRecord(config, sink, progress, store, resume_step=start)
         rollout = LocalRollout(
             config,
             tasks=tasks,
@@ -390,6 +420,56 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         )
         await train_loop(Roles(rollout, advantage, actor, sync), record, config, start)
     return run_dir
+
+
+def with_run_id(config: RunConfig, *, resume: bool) -> RunConfig:
+    """`config` with its run id: the one in `RUN_DIR/run_id` when resuming, else `run_id` as
+    configured or a new random one, then kept in `RUN_DIR/run_id`."""
+    path = Path(config.run_dir) / "run_id"
+    if resume and path.is_file():
+        run_id = path.read_text().strip()
+        if config.run_id is not None and config.run_id != run_id:
+            raise ConfigError(
+                f"run_id={config.run_id!r} differs from {run_id!r}, the id of the run being "
+                f"resumed (in {path}); drop the run_id override"
+            )
+    else:
+        run_id = config.run_id or uuid.uuid4().hex
+        path.write_text(run_id + "\n")
+    rollout = config.rollout.model_copy(update={"run_id": run_id})
+    return config.model_copy(update={"run_id": run_id, "rollout": rollout})
+
+
+@contextlib.asynccontextmanager
+async def recorded_run(
+    store: AsyncStore, config: RunConfig, *, resume: bool
+) -> AsyncIterator[None]:
+    """The run's record in the database for the block: `running` during it, then `completed`,
+    `cancelled` (interrupted) or `failed`. A resumed run continues its record."""
+    from omniloop.platform.store import NotFound
+
+    assert config.run_id is not None
+    name = Path(config.run_dir).name
+    try:
+        await store.get_run(config.run_id)
+    except NotFound:
+        await store.create_run(name, config.model_dump(mode="json"), run_id=config.run_id)
+    else:
+        if not resume:
+            raise ConfigError(
+                f"the database already holds a run {config.run_id!r}: choose another run_id, "
+                "or resume the run with --resume"
+            )
+    await store.update_run_status(config.run_id, "running")
+    try:
+        yield
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        await asyncio.shield(store.update_run_status(config.run_id, "cancelled"))
+        raise
+    except BaseException:
+        await asyncio.shield(store.update_run_status(config.run_id, "failed"))
+        raise
+    await store.update_run_status(config.run_id, "completed")
 
 
 async def _settle(task: asyncio.Future[Any]) -> None:

@@ -2,8 +2,9 @@
 
 `run_episode` is the boundary where errors become data: whatever ends the episode (a limit, an
 engine or sandbox failure, a reward that raises, cancellation) is recorded as the trajectory's
-`stop_reason` and `error`, never raised — except cancellation, which is recorded and re-raised,
-and bugs (any other exception), which propagate with the values that explain them.
+`stop_reason` and `error`, never raised — except cancellation, which is recorded and re-raised
+as `EpisodeCancelled` carrying the trajectory of what ran (so nothing is lost), and bugs (any
+other exception), which propagate with the values that explain them.
 """
 
 from __future__ import annotations
@@ -82,6 +83,15 @@ class EpisodeSettings:
     max_turns: int = 8
     max_context: int = 2048
     reward_timeout: float | None = 30.0
+
+
+class EpisodeCancelled(asyncio.CancelledError):
+    """`run_episode` was cancelled. A `CancelledError`, so cancellation proceeds as usual;
+    `trajectory` holds the turns that ran (stop reason `cancelled`, no reward)."""
+
+    def __init__(self, trajectory: Trajectory) -> None:
+        super().__init__(f"episode {trajectory.meta.episode_id!r} was cancelled")
+        self.trajectory = trajectory
 
 
 def _error(err: BaseException) -> ErrorInfo:
@@ -169,5 +179,5 @@ async def run_episode(
         "total": rollout_seconds + reward_seconds,
     }
     if cancelled is not None:
-        raise cancelled
+        raise EpisodeCancelled(trajectory) from cancelled
     return trajectory

@@ -2,15 +2,17 @@
 
 A run is the rollout of `omniloop rollout` (tasks, agent, rewards, engine, sandboxes, sampling)
 repeated for `steps` steps, each followed by one optimizer step of the trainer. The rollout
-section is a `RolloutConfig` as is, so a rollout config can be pasted under `rollout:`. Three of
+section is a `RolloutConfig` as is, so a rollout config can be pasted under `rollout:`. Four of
 its fields are owned by the run and filled in from it: `rollout.engine.model` (from `model`),
-`rollout.seed` (from `seed`) and `rollout.output` (the run's trajectory folder). Setting them to
-something else is an error rather than silently ignored.
+`rollout.seed` (from `seed`), `rollout.output` (the run's trajectory folder) and
+`rollout.run_id` (from `run_id`). Setting them to something else is an error rather than
+silently ignored.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -77,6 +79,13 @@ class RunConfig(StrictModel):
     """The data plane."""
     tensorboard: bool = True
     """Also write TensorBoard event files to `RUN_DIR/tensorboard` (needs `tensorboard`)."""
+    database: str | None = None
+    """Database the run is recorded in (the run, its metrics and every episode with its
+    trajectory), where `omniloop serve` shows it: a SQLAlchemy URL; None uses
+    `$OMNILOOP_DB_URL`, else `sqlite:///runs/omniloop.db`."""
+    run_id: str | None = Field(default=None, min_length=1, max_length=64)
+    """Id of the run in the database and in every trajectory id (so ids never clash across
+    runs); None makes a new one. It is kept in `RUN_DIR/run_id`, and `--resume` reuses it."""
 
     @model_validator(mode="after")
     def _derive_rollout(self) -> RunConfig:
@@ -86,6 +95,7 @@ class RunConfig(StrictModel):
             ("rollout.engine.model", rollout.engine, "model", self.model, "model"),
             ("rollout.seed", rollout, "seed", self.seed, "seed"),
             ("rollout.output", rollout, "output", trajectories, "run_dir"),
+            ("rollout.run_id", rollout, "run_id", self.run_id, "run_id"),
         )
         for dotted, section, name, value, source in owned:
             if name in section.model_fields_set and getattr(section, name) != value:
@@ -94,9 +104,10 @@ class RunConfig(StrictModel):
                     f"remove {dotted} (got {getattr(section, name)!r})"
                 )
         engine = rollout.engine.model_copy(update={"model": self.model})
-        self.rollout = rollout.model_copy(
-            update={"engine": engine, "seed": self.seed, "output": trajectories}
-        )
+        derived: dict[str, Any] = {"engine": engine, "seed": self.seed, "output": trajectories}
+        if self.run_id is not None:
+            derived["run_id"] = self.run_id
+        self.rollout = rollout.model_copy(update=derived)
         if self.rollout.samples_per_task < 2:
             raise ValueError(
                 "rollout.samples_per_task must be at least 2: group baselines (GRPO, RLOO) "
@@ -112,7 +123,7 @@ def config_yaml(config: RunConfig) -> str:
 
     data = config.model_dump(mode="json")
     rollout = data["rollout"]
-    for name in ("seed", "output"):
+    for name in ("seed", "output", "run_id"):
         rollout.pop(name)
     rollout["engine"].pop("model")
     return yaml.safe_dump(data, sort_keys=False)

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette import EventSourceResponse
 
 from omniloop.platform.api.batching import EpisodeCreator
+from omniloop.platform.api.downsample import decimate
 from omniloop.platform.api.events import EpisodeSignals, episode_events
 from omniloop.platform.api.metrics import ApiMetrics
 from omniloop.platform.api.problems import (
@@ -443,6 +444,16 @@ def v1_router(auth: Sequence[DependsParam]) -> APIRouter:
             int | None,
             Query(ge=-(2**63), le=2**63 - 1, description="Only steps after this one (polling)."),
         ] = None,
+        max_points: Annotated[
+            int | None,
+            Query(
+                ge=3,
+                le=100_000,
+                description="At most this many points per metric: longer series are reduced "
+                "to the lowest and highest point of each run of consecutive steps, plus the "
+                "newest (the chart's envelope stays exact). All points when left out.",
+            ),
+        ] = None,
     ) -> RunMetrics:
         """Metric name → points in step order; non-finite values read as null."""
         wanted = None
@@ -468,7 +479,11 @@ def v1_router(auth: Sequence[DependsParam]) -> APIRouter:
                     MetricPointOut(
                         step=p.step, value=p.value if math.isfinite(p.value) else None, time=p.time
                     )
-                    for p in points
+                    for p in (
+                        points
+                        if max_points is None
+                        else decimate(points, max_points, lambda p: p.value)
+                    )
                 ]
                 for name, points in metrics.items()
             },

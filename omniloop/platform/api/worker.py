@@ -13,7 +13,8 @@ streams show an episode as it runs.
 
 Cancellation: the API marks the episode `cancelled` in the store first (the first terminal
 status wins, so a late finish cannot overwrite it), then `cancel()` cancels its task; the
-sandbox is released by `run_episode`'s shielded clean-up. When the server stops, episodes still
+sandbox is released by `run_episode`'s shielded clean-up, and the turns that ran are stored as
+the cancelled episode's trajectory. When the server stops, episodes still
 running are put back in the queue for the next start instead of being cancelled.
 
 A bug (an exception `run_episode` does not turn into data) fails that episode with the
@@ -38,9 +39,15 @@ from omniloop.platform.api.events import EpisodeSignals
 from omniloop.platform.api.metrics import ApiMetrics
 from omniloop.platform.api.schemas import MAX_TURNS_FIELD
 from omniloop.platform.api.settings import AgentEntry, ApiSettings
-from omniloop.platform.episode import EpisodeSettings, SandboxProvider, run_episode
+from omniloop.platform.episode import (
+    EpisodeCancelled,
+    EpisodeSettings,
+    SandboxProvider,
+    run_episode,
+)
 from omniloop.platform.store import AsyncStore, EpisodeRecord, InvalidTransition, StoreError
 from omniloop.rewards import RewardFn
+from omniloop.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -330,12 +337,15 @@ class EpisodeWorker:
             )
             final = await self.store.finish_episode(episode_id, trajectory)
             self.metrics.finished.labels(final.status).inc()
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as err:
             if self._stopping and episode_id not in self._user_cancelled:
                 await asyncio.shield(self._set_status(episode_id, "queued"))
             else:
                 await asyncio.shield(self._set_status(episode_id, "cancelled"))
                 self.metrics.finished.labels("cancelled").inc()
+                if isinstance(err, EpisodeCancelled):
+                    # The turns that ran stay readable; the episode stays cancelled.
+                    await asyncio.shield(self._keep_trajectory(episode_id, err.trajectory))
             raise
         except Exception as err:
             logger.exception("episode %s failed", episode_id)
@@ -346,6 +356,13 @@ class EpisodeWorker:
         finally:
             self._user_cancelled.discard(episode_id)
             self.signals.notify(episode_id)
+
+    async def _keep_trajectory(self, episode_id: str, trajectory: Trajectory) -> None:
+        """Best-effort store of a cancelled episode's partial trajectory."""
+        try:
+            await self.store.finish_episode(episode_id, trajectory)
+        except Exception:
+            logger.exception("could not store the trajectory of cancelled episode %s", episode_id)
 
     async def _set_status(self, episode_id: str, status: Any, **error: str) -> None:
         """Best-effort status change at the end of an episode: one already terminal (say,

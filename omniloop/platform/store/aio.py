@@ -127,6 +127,13 @@ class AsyncStore:
     async def finish_episode(self, episode_id: str, trajectory: Trajectory) -> EpisodeRecord:
         return await asyncio.to_thread(self.store.finish_episode, episode_id, trajectory)
 
+    async def record_episodes(
+        self, run_id: str, trajectories: Sequence[Trajectory], *, agent: str = ""
+    ) -> int:
+        return await asyncio.to_thread(
+            self.store.record_episodes, run_id, trajectories, agent=agent
+        )
+
     async def get_episode(self, episode_id: str, *, with_trajectory: bool = True) -> EpisodeRecord:
         return await asyncio.to_thread(
             self.store.get_episode, episode_id, with_trajectory=with_trajectory

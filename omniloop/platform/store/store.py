@@ -24,6 +24,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -81,6 +82,7 @@ MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 # The tables behind the ORM classes, for Core statements on hot paths.
 EPISODES = cast(Table, EpisodeRow.__table__)
 EVENTS = cast(Table, EventRow.__table__)
+TRAJECTORIES = cast(Table, TrajectoryRow.__table__)
 
 MAX_PAGE = 1000
 """Largest `limit` of one page of runs or episodes."""
@@ -189,6 +191,33 @@ def _final_status(meta: TrajectoryMeta) -> EpisodeStatus:
     if meta.error is not None or meta.stop_reason in INFRA_STOP_REASONS:
         return "failed"
     return "completed"
+
+
+def _trajectory_body(trajectory: Trajectory) -> str:
+    """The trajectory as the JSON text the store keeps; `InvalidArgument` if it is not storable
+    (fails `Trajectory.check()` or holds a non-finite number, which JSON cannot carry)."""
+    try:
+        trajectory.check()
+        return json_dumps(trajectory.model_dump(mode="json"))
+    except ValueError as err:
+        raise InvalidArgument(f"cannot store trajectory {trajectory.id}: {err}") from None
+
+
+def _outcome(trajectory: Trajectory) -> dict[str, Any]:
+    """The episode columns a trajectory decides: reward, stop reason, error, timings, sizes."""
+    meta = trajectory.meta
+    return {
+        "trajectory_id": trajectory.id,
+        "reward": trajectory.reward,
+        "reward_info": dict(trajectory.reward_info),
+        "stop_reason": meta.stop_reason,
+        # The trajectory is recorded whatever its error: clip rather than refuse an odd one.
+        "error_type": meta.error.type[:255] if meta.error is not None else None,
+        "error_message": _text(meta.error.message) if meta.error is not None else None,
+        "timings": dict(meta.timings),
+        "num_turns": len(meta.turns),
+        "response_length": trajectory.response_length,
+    }
 
 
 def _run_record(row: RunRow) -> RunRecord:
@@ -820,11 +849,7 @@ class Store:
                 f"trajectory {trajectory.id} belongs to episode {meta.episode_id!r}, "
                 f"not {episode_id!r}"
             )
-        try:
-            trajectory.check()
-            body = json_dumps(trajectory.model_dump(mode="json"))
-        except ValueError as err:
-            raise InvalidArgument(f"cannot store trajectory {trajectory.id}: {err}") from None
+        body = _trajectory_body(trajectory)
         with self._writing() as session:
             row = session.scalar(
                 select(EpisodeRow)
@@ -857,17 +882,10 @@ class Store:
                     created_at=now,
                 )
             )
-            row.trajectory_id = trajectory.id
-            row.reward = trajectory.reward
-            row.reward_info = dict(trajectory.reward_info)
-            row.stop_reason = meta.stop_reason
-            if meta.error is not None:
-                # The trajectory is already recorded: clip rather than refuse an odd error.
-                row.error_type = meta.error.type[:255]
-                row.error_message = _text(meta.error.message)
-            row.timings = dict(meta.timings)
-            row.num_turns = len(meta.turns)
-            row.response_length = trajectory.response_length
+            for column, value in _outcome(trajectory).items():
+                # An error set by an earlier cancel or failure stays when the trajectory has none.
+                if value is not None or column not in ("error_type", "error_message"):
+                    setattr(row, column, value)
             row.updated_at = now
             if row.status not in TERMINAL_EPISODE_STATUSES:
                 row.status = _final_status(meta)
@@ -881,6 +899,67 @@ class Store:
             }
             self._add_event(session, "status", data, run_id=row.run_id, episode_id=episode_id)
             return _episode_record(row)
+
+    def record_episodes(
+        self, run_id: str, trajectories: Sequence[Trajectory], *, agent: str = ""
+    ) -> int:
+        """Record episodes a run has already finished (a training step's), each with its
+        trajectory, in one transaction; return how many were new.
+
+        Each becomes an episode of `run_id` whose id is its trajectory's id (ids hash the run
+        id, so they do not clash across runs) and whose status is what `finish_episode` would
+        give it. Trajectories already recorded are skipped, so a resumed run that redoes a step
+        records nothing twice. Each trajectory is checked as `finish_episode` checks it
+        (`InvalidArgument`, and then nothing is recorded); `NotFound` if the run does not exist.
+        """
+        bodies = {t.id: _trajectory_body(t) for t in trajectories}
+        with self._writing_core() as connection:
+            if not self._run_exists(connection, run_id):
+                raise NotFound("run", run_id)
+            known = set(
+                connection.scalars(select(EpisodeRow.id).where(EpisodeRow.id.in_(list(bodies))))
+            )
+            new = [t for t in dict((t.id, t) for t in trajectories).values() if t.id not in known]
+            if not new:
+                return 0
+            now = utcnow()
+            episodes = []
+            for trajectory in new:
+                values = self._episode_values(
+                    trajectory.meta.task, run_id=run_id, agent=agent, episode_id=trajectory.id
+                )
+                took = timedelta(seconds=trajectory.meta.timings.get("total", 0.0))
+                episodes.append(
+                    {
+                        **values,
+                        **_outcome(trajectory),
+                        "status": _final_status(trajectory.meta),
+                        "started_at": now - took,
+                        "finished_at": now,
+                    }
+                )
+            connection.execute(insert(EPISODES), episodes)
+            connection.execute(
+                insert(TRAJECTORIES),
+                [
+                    {
+                        "id": t.id,
+                        "episode_id": t.id,
+                        "attempt": t.meta.attempt,
+                        "segment": t.meta.segment,
+                        "body": bodies[t.id],
+                        "created_at": now,
+                    }
+                    for t in new
+                ],
+            )
+            for episode in episodes:
+                data = {
+                    key: episode[key]
+                    for key in ("status", "reward", "stop_reason", "error_type", "trajectory_id")
+                }
+                self._add_event(connection, "status", data, run_id=run_id, episode_id=episode["id"])
+        return len(new)
 
     def claim_next_episode(self) -> EpisodeRecord | None:
         """Move the oldest `queued` episode to `running` and return it; None if none is queued.

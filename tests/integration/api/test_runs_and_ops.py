@@ -87,6 +87,28 @@ async def test_metrics_by_name_since_a_step_and_non_finite_values_as_null(
     assert problem(too_many, 422)["errors"][0]["field"] == "names"
 
 
+async def test_long_series_are_decimated_to_max_points_keeping_spikes_and_the_newest(
+    make_settings, open_api, problem
+):
+    settings = make_settings()
+    with Store(settings.db_url) as store:
+        store.migrate()
+        store.create_run("long", run_id="long")
+        for step in range(1000):
+            store.record_metrics("long", step, {"errors": 9.0 if step == 617 else 0.0})
+    async with open_api(settings) as api:
+        full = (await api.get("/v1/runs/long/metrics")).json()["metrics"]["errors"]
+        few = (await api.get("/v1/runs/long/metrics", params={"max_points": 50})).json()
+        too_few = await api.get("/v1/runs/long/metrics", params={"max_points": 2})
+    assert len(full) == 1000
+    points = [(p["step"], p["value"]) for p in few["metrics"]["errors"]]
+    assert 25 <= len(points) <= 50
+    assert (617, 9.0) in points
+    assert points[-1] == (999, 0.0)
+    assert [step for step, _ in points] == sorted({step for step, _ in points})
+    assert problem(too_few, 422)["errors"][0]["field"] == "max_points"
+
+
 async def test_health_readiness_and_prometheus_metrics(make_settings, open_api, episode_body):
     async with open_api(make_settings()) as api:
         await api.post("/v1/episodes", json=episode_body())

@@ -41,3 +41,16 @@ def test_config_file_paths_are_relative_to_the_file(tmp_path):
     settings = load_config(ApiSettings, tmp_path / "api.yaml")
     assert settings.agents["a"].agent == f"{tmp_path / 'agents/mine.py'}:build"
     assert settings.agents["a"].rewards == [f"{tmp_path / 'rewards.py'}:score", "exact_match"]
+
+
+def test_the_example_server_config_loads_its_agent(tmp_path):
+    from pathlib import Path
+
+    from omniloop.config import load_config
+    from omniloop.platform.api.worker import load_agents
+
+    example = Path(__file__).parents[3] / "examples" / "calculator" / "serve.yaml"
+    settings = load_config(ApiSettings, example, [f"db_url=sqlite:///{tmp_path / 'x.db'}"])
+    loaded = load_agents(settings)
+    assert sorted(loaded) == ["calculator"]
+    assert loaded["calculator"].agent.tool_schemas[0]["function"]["name"] == "python"

@@ -131,11 +131,20 @@ async def test_cancelling_a_running_episode_ends_its_task_and_its_stream(
                     cancelled = await client.post(f"{accepted['href']}/cancel")
                     assert cancelled.status_code == 200
                     assert cancelled.json()["status"] == "cancelled"
-        episode = (await client.get(accepted["href"])).json()
+        # The worker stores what ran once its task has ended.
+        for _ in range(600):
+            episode = (await client.get(accepted["href"])).json()
+            if episode["trajectory"] is not None:
+                break
+            await asyncio.sleep(0.05)
         metrics = (await client.get("/metrics")).text
     assert seen[-1]["data"]["data"]["status"] == "cancelled"
     assert episode["status"] == "cancelled"
     assert episode["reward"] is None
+    trajectory = episode["trajectory"]
+    assert trajectory["meta"]["stop_reason"] == "cancelled"
+    assert len(trajectory["meta"]["turns"]) == 1
+    assert sum(trajectory["loss_mask"]) == trajectory["meta"]["turns"][0]["num_sampled"] > 0
     assert "omniloop_worker_episodes_running 0.0" in metrics
     assert 'omniloop_worker_episodes_finished_total{status="cancelled"} 1.0' in metrics
 

@@ -325,3 +325,43 @@ def test_over_long_names_are_refused_on_both_databases(store: Store) -> None:
     episode, _ = store.create_episode(TASK)
     with pytest.raises(InvalidArgument, match="error type"):
         store.update_episode_status(episode.id, "failed", error_type="E" * 256)
+
+
+def test_record_episodes_stores_a_runs_finished_episodes_once(
+    store: Store, make_trajectory: TrajectoryFactory
+) -> None:
+    store.create_run(run_id="train")
+    done = [make_trajectory(f"step0/t{i}/0", run_id="train", reward=i / 2) for i in range(3)]
+    failed = make_trajectory(
+        "step0/t3/0", run_id="train", reward=None, stop_reason="engine_error",
+        error=("EngineError", "connection refused"),
+    )  # fmt: skip
+    assert store.record_episodes("train", [*done, failed], agent="calc") == 4
+    # A resumed run records the step again: nothing is added or changed.
+    assert store.record_episodes("train", [*done, failed], agent="calc") == 0
+    assert store.count_episodes("train")["completed"] == 3
+    assert store.count_episodes("train")["failed"] == 1
+
+    episode = store.get_episode(done[1].id)
+    assert (episode.run_id, episode.agent, episode.status) == ("train", "calc", "completed")
+    assert episode.task == done[1].meta.task
+    assert episode.reward == 0.5
+    assert episode.trajectory == done[1]
+    assert episode.started_at is not None
+    assert episode.finished_at is not None
+    assert episode.finished_at > episode.started_at
+    broken = store.get_episode(failed.id, with_trajectory=False)
+    assert (broken.status, broken.error_type) == ("failed", "EngineError")
+    assert [e.data["status"] for e in store.list_events(episode_id=failed.id)] == ["failed"]
+
+
+def test_record_episodes_refuses_an_unknown_run_or_a_malformed_trajectory_whole(
+    store: Store, make_trajectory: TrajectoryFactory
+) -> None:
+    with pytest.raises(NotFound, match="run 'nope'"):
+        store.record_episodes("nope", [make_trajectory("e", run_id="nope")])
+    store.create_run(run_id="r")
+    good = make_trajectory("e1", run_id="r")
+    with pytest.raises(InvalidArgument, match="not JSON compliant"):
+        store.record_episodes("r", [good, make_trajectory("e2", run_id="r", reward=math.nan)])
+    assert sum(store.count_episodes("r").values()) == 0

@@ -51,7 +51,12 @@ def toy_config(toy_model: Path) -> ConfigFactory:
     """`toy_config(run_dir, {"dotted.key": value})`: the example's config, test overrides."""
 
     def build(run_dir: Path, overrides: dict[str, Any] | None = None) -> RunConfig:
-        items = [f"model={toy_model}", f"run_dir={run_dir}", "tensorboard=false"]
+        items = [
+            f"model={toy_model}",
+            f"run_dir={run_dir}",
+            "tensorboard=false",
+            f"database=sqlite:///{run_dir}/omniloop.db",
+        ]
         items += [f"{k}={json.dumps(v)}" for k, v in (overrides or {}).items()]
         return load_config(RunConfig, TOY_CONFIG, items)
 

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 
 from omniloop.platform.controller import run
+from omniloop.platform.store import Store
+from omniloop.trajectory import Trajectory
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -112,3 +114,24 @@ def test_metrics_report_reward_kl_entropy_staleness_and_throughput(toy_run: ToyR
         assert metrics["perf/tokens_per_second"] > 0
     trajectories = sorted((toy_run.run_dir / "trajectories").glob("step_*.jsonl"))
     assert len(trajectories) == STEPS
+
+
+def test_the_run_its_metrics_and_its_episodes_are_in_the_database(toy_run: ToyRun) -> None:
+    run_id = (toy_run.run_dir / "run_id").read_text().strip()
+    with Store(f"sqlite:///{toy_run.run_dir}/omniloop.db") as store:
+        record = store.get_run(run_id)
+        assert record.status == "completed"
+        assert record.config["max_staleness"] == toy_run.max_staleness
+        rewards = store.get_metrics(run_id, ["reward/mean"])["reward/mean"]
+        assert [(p.step, p.value) for p in rewards] == [
+            (step, m["reward/mean"]) for step, m in enumerate(toy_run.metrics)
+        ]
+        counts = store.count_episodes(run_id)
+        assert sum(counts.values()) == sum(m["episodes/count"] for m in toy_run.metrics)
+        assert counts["failed"] == sum(m["episodes/errors"] for m in toy_run.metrics)
+        # The stored trajectory is the one the rollout wrote, token for token.
+        written = read_jsonl(toy_run.run_dir / "trajectories" / "step_0.jsonl")[0]
+        episode = store.get_episode(written["id"])
+        assert episode.run_id == run_id
+        assert episode.trajectory == Trajectory.model_validate(written)
+        assert episode.reward == written["reward"]

@@ -27,6 +27,7 @@ import torch
 from omniloop.platform.controller import checkpoints
 from omniloop.platform.roles import step_tasks
 from omniloop.platform.rollout import load_tasks
+from omniloop.platform.store import Store
 from omniloop.trajectory import trajectory_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -70,6 +71,7 @@ def test_killed_run_resumes_and_trains_every_trajectory_exactly_once(
         f"model={toy_model}", f"run_dir={run_dir}", f"steps={STEPS}", "checkpoint_every=1",
         f"tasks_per_step={TASKS_PER_STEP}", f"rollout.samples_per_task={SAMPLES}",
         "max_staleness=1", "tensorboard=false", f"data_plane.ray_temp_dir={ray_dir}",
+        f"database=sqlite:///{run_dir}/omniloop.db",
     ]  # fmt: skip
     try:
         _kill_and_resume(run_dir, toy_config_path, overrides, tmp_path)
@@ -121,11 +123,12 @@ def _kill_and_resume(
 
     ids = [traj_id for step in trained for traj_id, _ in step["samples"]]
     assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    run_id = (run_dir / "run_id").read_text().strip()
     tasks = load_tasks(str(toy_config_path.parent / "tasks.jsonl"))
     for step in trained:
         k = step["step"]
         expected = {
-            trajectory_id("rollout", f"step{k}/{task.id}/{sample}")
+            trajectory_id(run_id, f"step{k}/{task.id}/{sample}")
             for task in step_tasks(tasks, k, TASKS_PER_STEP)
             for sample in range(SAMPLES)
         }
@@ -142,3 +145,11 @@ def _kill_and_resume(
     assert json.loads((final / "trainer_state.json").read_text())["version"] == STEPS
     optimizer = torch.load(final / "optimizer.pt", weights_only=True)["optimizer"]
     assert {int(s["step"]) for s in optimizer["state"].values()} == {STEPS}
+
+    # The database holds the run once, completed, with every episode of every step once.
+    with Store(f"sqlite:///{run_dir}/omniloop.db") as store:
+        assert store.get_run(run_id).status == "completed"
+        assert sum(store.count_episodes(run_id).values()) == STEPS * TASKS_PER_STEP * SAMPLES
+        assert sorted(p.step for p in store.get_metrics(run_id)["reward/mean"]) == list(
+            range(STEPS)
+        )

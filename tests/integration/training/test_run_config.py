@@ -42,6 +42,10 @@ def test_fields_the_run_owns_cannot_be_set_to_something_else(tmp_path: Path) -> 
         load_config(RunConfig, path, ["seed=1", "rollout.seed=2"])
     with pytest.raises(ConfigError, match=r"rollout\.output is set by the run"):
         load_config(RunConfig, path, [f"run_dir={tmp_path}", "rollout.output=elsewhere"])
+    with pytest.raises(ConfigError, match=r"rollout\.run_id is set by the run"):
+        load_config(RunConfig, path, ["rollout.run_id=mine"])
+    config = load_config(RunConfig, path, ["run_id=mine"])
+    assert config.rollout.run_id == "mine"
 
 
 def test_a_group_of_one_sample_is_refused() -> None:
@@ -74,5 +78,6 @@ def test_saved_config_omits_only_the_derived_fields(tmp_path: Path) -> None:
     saved = yaml.safe_load(config_yaml(config))
     assert "seed" not in saved["rollout"]
     assert "output" not in saved["rollout"]
+    assert "run_id" not in saved["rollout"]
     assert "model" not in saved["rollout"]["engine"]
     assert saved["max_staleness"] == config.max_staleness

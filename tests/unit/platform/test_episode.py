@@ -14,7 +14,7 @@ from omniloop.agents.chat import ChatFormat
 from omniloop.errors import EngineError, SandboxError
 from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.models import load_tokenizer
-from omniloop.platform.episode import EpisodeSettings, run_episode
+from omniloop.platform.episode import EpisodeCancelled, EpisodeSettings, run_episode
 from omniloop.sandboxes.base import ExecResult
 from omniloop.tools import python
 
@@ -184,10 +184,26 @@ async def test_cancellation_releases_the_sandbox_and_propagates(tokenizer):
                 await asyncio.sleep(3600)
             return await super().generate(input_ids, sampling)
 
-    task = asyncio.create_task(episode(tokenizer, SlowSecondTurn(tokenizer, [CALL]), provider))
+    carried: list[EpisodeCancelled] = []
+
+    async def run() -> None:
+        try:
+            await episode(tokenizer, SlowSecondTurn(tokenizer, [CALL]), provider)
+        except EpisodeCancelled as err:
+            carried.append(err)
+            raise
+
+    task = asyncio.create_task(run())
     await provider.acquired.wait()
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert provider.released == provider.handed
+    # What ran is kept: the first turn, its tool call, stop reason `cancelled`, no reward.
+    trajectory = carried[0].trajectory
+    assert trajectory.meta.stop_reason == "cancelled"
+    assert trajectory.reward is None
+    assert len(trajectory.meta.turns) == 1
+    assert len(trajectory.meta.tool_calls) == 1
+    trajectory.check()

@@ -6,6 +6,7 @@ import { episodeBrowser } from "./episodes.js";
 import { badge, clear, errorBox, fmtTime, h } from "./dom.js";
 
 const POLL_MS = 2000;
+const MAX_POINTS = 400;
 
 export function runsPage(root) {
   const state = { cursors: [null], index: 0 };
@@ -98,7 +99,9 @@ export function runPage(root, runId, filters, onFilters) {
     try {
       // Re-read the last step seen: other metrics of that step may have been recorded since.
       const since = store.lastStep === null ? null : store.lastStep - 1;
-      const doc = await api.metrics(runId, { since_step: since }, { signal: controller.signal });
+      // A panel is a few hundred pixels wide: more points than that only cost load time.
+      const params = { since_step: since, max_points: MAX_POINTS };
+      const doc = await api.metrics(runId, params, { signal: controller.signal });
       if (stopped) return;
       const changed = store.merge(doc.metrics);
       const relaid = layout();
