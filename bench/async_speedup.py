@@ -19,7 +19,9 @@ Prints ONE JSON line:
   `max_staleness=2` up to three steps' rollouts are in flight at once, so the waits of one
   step also overlap those of the next: the speedup can exceed this two-stage limit;
 - `speedup_of_limit`: `speedup / limit`;
-- `final_reward_sync`, `final_reward_async`: mean reward of each run's last three steps;
+- `final_reward_sync`, `final_reward_async`: mean reward of each run's last five steps
+  (`FINAL_STEPS`); `final_reward_noise`: twice the binomial standard error of their difference
+  (rewards are 0 or 1), and `final_rewards_within_noise` whether they differ by less;
 - stage times, per-run wall times and CPU seconds, the load average, thread settings.
 
     .venv/bin/python bench/async_speedup.py [--quick] [--steps N]
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import resource
 import sys
@@ -52,6 +55,7 @@ from omniloop.tools.base import ToolContext  # noqa: E402
 # Chosen so that a step's rollout (generation plus its slowest wait) and its optimizer step take
 # comparable time on a 2-core machine, the regime where overlapping them pays the most.
 PARETO_SHAPE = 1.2
+FINAL_STEPS = 5
 PARETO_SCALE_S = 0.15
 PARETO_CAP_S = 5.0
 
@@ -142,9 +146,9 @@ def mean(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 steps per run (< 5 minutes)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 20)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 30)")
     args = parser.parse_args()
-    steps = args.steps or (8 if args.quick else 20)
+    steps = args.steps or (8 if args.quick else 30)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import torch
@@ -165,14 +169,22 @@ def main() -> None:
     train = mean([m["perf/step_seconds"] - m["perf/rollout_seconds"] for m in sm])
     limit = (rollout + train) / max(rollout, train)
     speedup = sync["wall_s"] / async_["wall_s"]
+    final_sync = mean([m["reward/mean"] for m in sm[-FINAL_STEPS:]])
+    final_async = mean([m["reward/mean"] for m in async_["metrics"][-FINAL_STEPS:]])
+    samples = sum(m["episodes/count"] for m in sm[-FINAL_STEPS:])
+    noise = 2 * math.sqrt(
+        (final_sync * (1 - final_sync) + final_async * (1 - final_async)) / samples
+    )
     result = {
         "bench": "async_speedup",
         "steps": steps,
         "speedup": round(speedup, 3),
         "limit": round(limit, 3),
         "speedup_of_limit": round(speedup / limit, 3),
-        "final_reward_sync": round(mean([m["reward/mean"] for m in sm[-3:]]), 3),
-        "final_reward_async": round(mean([m["reward/mean"] for m in async_["metrics"][-3:]]), 3),
+        "final_reward_sync": round(final_sync, 3),
+        "final_reward_async": round(final_async, 3),
+        "final_reward_noise": round(noise, 3),
+        "final_rewards_within_noise": abs(final_sync - final_async) < noise,
         "rollout_s_per_step": round(rollout, 3),
         "train_s_per_step": round(train, 3),
         "optimizer_step_s": round(mean([m.get("perf/train_seconds", 0.0) for m in sm]), 3),
