@@ -13,7 +13,9 @@ failing sandbox is closed in the background and the next one is tried; it is nev
 
 Failures to create are retried in the background with exponential backoff (100 ms doubling to
 30 s, reset by a success); an `acquire` that finds nothing ready waits (up to `acquire_timeout`)
-and raises `SandboxError` with the last creation error if the factory keeps failing.
+and raises `SandboxError` with the last creation error if the factory keeps failing. A
+`ConfigError` from the factory is not retried (no retry fixes a configuration): it is raised at
+once to every waiting and every later `acquire`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from omniloop.errors import SandboxError
+from omniloop.errors import ConfigError, SandboxError
 from omniloop.sandboxes.base import Sandbox
 
 logger = logging.getLogger(__name__)
@@ -98,6 +100,7 @@ class SandboxPool(Generic[S]):
         self._failures_in_a_row = 0
         self._retry_at = 0.0
         self._retry_timer: asyncio.TimerHandle | None = None
+        self._misconfigured: ConfigError | None = None
         self._closed = False
         self._started = False
 
@@ -214,6 +217,8 @@ class SandboxPool(Generic[S]):
     def _check_open(self) -> None:
         if self._closed:
             raise SandboxError("sandbox pool is closed")
+        if self._misconfigured is not None:
+            raise self._misconfigured
 
     async def _is_healthy(self, sandbox: S) -> bool:
         try:
@@ -252,7 +257,7 @@ class SandboxPool(Generic[S]):
 
     def _refill(self) -> None:
         """Start as many creations as the pool is short (ready + creating < size + waiting)."""
-        if self._closed or not self._started:
+        if self._closed or not self._started or self._misconfigured is not None:
             return
         wanted = self.size + len(self._waiters) - len(self._ready) - self._creating
         if wanted <= 0:
@@ -298,6 +303,14 @@ class SandboxPool(Generic[S]):
     def _record_failure(self, err: BaseException) -> None:
         self.stats.create_failures += 1
         self._last_error = err
+        if isinstance(err, ConfigError):
+            logger.error("sandbox creation refused the configuration: %s", err)
+            self._misconfigured = err
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(err)
+            return
         self._failures_in_a_row += 1
         backoff = min(30.0, 0.05 * 2 ** min(self._failures_in_a_row, 10))
         self._retry_at = time.monotonic() + backoff

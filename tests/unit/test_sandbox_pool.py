@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from omniloop.errors import SandboxError
+from omniloop.errors import ConfigError, SandboxError
 from omniloop.sandboxes.base import ExecResult
 from omniloop.sandboxes.pool import SandboxPool
 
@@ -102,6 +102,29 @@ async def test_acquire_reports_the_creation_error_when_it_gives_up() -> None:
     async with SandboxPool(factory, size=1, acquire_timeout=0.3) as pool:
         with pytest.raises(SandboxError, match="creation failed"):
             await pool.acquire()
+
+
+async def test_a_configuration_error_is_raised_at_once_and_not_retried() -> None:
+    calls = 0
+
+    async def misconfigured() -> FakeSandbox:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+        raise ConfigError("limits.tmp_mb 600 + limits.workspace_mb 600 exceed memory_mb 512")
+
+    async with SandboxPool(misconfigured, size=2, acquire_timeout=60) as pool:
+        async with asyncio.timeout(5):
+            waiting = [asyncio.ensure_future(pool.acquire()) for _ in range(3)]
+            for task in waiting:
+                with pytest.raises(ConfigError, match="exceed memory_mb 512"):
+                    await task
+            with pytest.raises(ConfigError, match="exceed memory_mb 512"):
+                await pool.acquire()
+        await asyncio.sleep(0.05)  # creations already under way end
+        settled = calls
+        await asyncio.sleep(0.5)  # longer than the first backoffs: nothing is retried
+    assert calls == settled <= 2 + 3
 
 
 async def test_unhealthy_sandbox_is_closed_and_skipped() -> None:
