@@ -20,6 +20,7 @@ const GROUPS = [
 ];
 
 const MAX_SERIES = 8;
+const COMPACT = new Intl.NumberFormat("en", { notation: "compact", maximumFractionDigits: 3 });
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
 
 export function groupMetrics(names) {
@@ -111,7 +112,11 @@ export class ChartPanel {
       legend: { live: true },
       cursor: { drag: { x: true, y: false } },
       scales: { x: { time: false } },
-      axes: [{ label: "step", size: 34, labelSize: 14 }, { size: 56 }],
+      // Compact tick labels (538M, 1.2k, 0.04): byte counts would not fit the axis.
+      axes: [
+        { label: "step", size: 34, labelSize: 14 },
+        { size: 56, values: (u, splits) => splits.map((v) => (v == null ? "" : COMPACT.format(v))) },
+      ],
       series: [
         { label: "step" },
         ...this.names.map((name, i) => ({
