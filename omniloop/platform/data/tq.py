@@ -590,6 +590,9 @@ def _ensure_ray(config: DataPlaneConfig) -> tuple[bool, str | None]:
     if ray.is_initialized():
         return False, None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # The queue's actors inherit this; at INFO they print request statistics every five
+    # minutes into the run's console. Warnings and errors still show.
+    os.environ.setdefault("TQ_LOGGING_LEVEL", "WARNING")
     if config.ray_address is not None:
         ray.init(address=config.ray_address)
         return True, None
