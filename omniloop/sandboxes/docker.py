@@ -44,9 +44,13 @@ What is covered
   forks hard; at the cgroup limit the sentry dies), so the cgroup is sized `pids * 24 + 512`
   and the sandbox's process limit is enforced inside by gVisor through RLIMIT_NPROC (`pids`),
   which there counts only the sandbox's own processes. A fork bomb that holds every process
-  slot also blocks the exec that would signal it; the sandbox is then destroyed. A
-  memory-limit overrun kills the whole gVisor sandbox (the sentry holds all its memory): the
-  command's result is `oom` and later calls raise `SandboxError`.
+  slot also blocks the exec that would signal it; the sandbox is then destroyed. The
+  sentry's thread count also grows with a fork bomb's churn (runsc 2022's ptrace platform:
+  about 200 threads a second at `pids=128`), so a bomb that runs long enough reaches the
+  cgroup limit and the sentry dies: the command raises `SandboxError` (no result), as do later
+  calls; the host is untouched. A memory-limit overrun kills the whole gVisor sandbox (the
+  sentry holds all its memory): the command's result is `oom` and later calls raise
+  `SandboxError`.
 - Time: a wall-clock timeout per command and an optional no-output timeout. Stopping sends
   SIGTERM to every process of the sandbox user, waits `kill_grace`, then SIGKILL, each from a
   fresh `sh -c 'kill -SIG -1'` exec as uid 1000: `kill(-1)` reaches every process that uid owns

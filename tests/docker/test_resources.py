@@ -41,7 +41,6 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
     make_sandbox: Any, helpers: Any, backend: str, docker_api: APIClient
 ) -> None:
     neighbour = await make_sandbox()
-    host_before = docker_process_count()
     bomb = await make_sandbox(pids=128)
     await exec_latencies(neighbour, 5)  # warm up the daemon's paths
 
@@ -70,14 +69,24 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
             with contextlib.suppress(NotFound):
                 await asyncio.to_thread(docker_api.unpause, bomb.container_id)
         running += await exec_latencies(neighbour, 8)
-    result = await task
+    try:
+        result = await task
+    except SandboxError:
+        # gVisor's sentry died at the host thread cap while the command ran: its thread count
+        # grows with the bomb's churn (measured: ~2,300 to 3,300 of the cap of 3,584 after
+        # 15 s), so a bomb that runs long enough takes a gVisor sandbox down. The command then
+        # has no result; the sandbox must be gone, the host clean (below).
+        assert backend == "gvisor"
+        result = None
     elapsed = time.monotonic() - start
 
     assert elapsed < timeout + 2, f"fork bomb exec took {elapsed:.1f}s for T={timeout}s"
-    assert "Resource temporarily unavailable" in result.stderr + result.stdout, result
-    if result.stop_reason != "tool_timeout":
-        # gVisor's sentry needs host threads for the bomb's processes; at the host pids cap it
-        # dies, taking the sandbox (and the bomb) with it before the timeout.
+    if result is None:
+        assert not await bomb.healthy()
+    else:
+        assert "Resource temporarily unavailable" in result.stderr + result.stdout, result
+    if result is not None and result.stop_reason != "tool_timeout":
+        # The sentry died before the timeout, but the command's result came back first.
         assert backend == "gvisor", result
         deadline = time.monotonic() + 5
         while await bomb.healthy():
@@ -100,35 +109,14 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
             await bomb.exec(["true"])
     await bomb.close()
     deadline = time.monotonic() + 15
-    while host_pids_with(bomb.container_id) or docker_process_count() > 1.05 * host_before + 1:
-        assert time.monotonic() < deadline, (
-            host_pids_with(bomb.container_id),
-            docker_process_count(),
-            host_before,
-        )
+    while leftovers := host_pids_with(bomb.container_id):
+        assert time.monotonic() < deadline, f"host processes of the bomb's sandbox: {leftovers}"
         await asyncio.sleep(0.2)
 
 
-def docker_process_count() -> int:
-    """Host processes of containers and their runtimes (shims, runsc): what a sandbox adds to
-    the host, unaffected by whatever else the host runs."""
-    count = 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cgroup") as f:
-                cgroup = f.read()
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
-        except OSError:
-            continue
-        if "/docker/" in cgroup or b"containerd-shim" in cmdline or b"runsc" in cmdline:
-            count += 1
-    return count
-
-
 def host_pids_with(text: str) -> list[int]:
+    """Host processes whose command line or cgroup names `text` (a container id: its shim and
+    runtime processes, and everything inside it, gVisor's ptrace stubs included)."""
     found = []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -136,9 +124,11 @@ def host_pids_with(text: str) -> list[int]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmdline = f.read()
+            with open(f"/proc/{pid}/cgroup", "rb") as f:
+                cgroup = f.read()
         except OSError:
             continue
-        if text.encode() in cmdline:
+        if text.encode() in cmdline or text.encode() in cgroup:
             found.append(int(pid))
     return found
 
