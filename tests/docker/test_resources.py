@@ -86,13 +86,13 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
         assert not await bomb.healthy()
     else:
         assert "Resource temporarily unavailable" in result.stderr + result.stdout, result
-    if result is not None and result.stop_reason != "tool_timeout":
-        # The sentry died before the timeout, but the command's result came back first.
-        assert backend == "gvisor", result
-        deadline = time.monotonic() + 5
-        while await bomb.healthy():
-            assert time.monotonic() < deadline, f"bomb ended early, sandbox alive: {result}"
-            await asyncio.sleep(0.1)
+        if result.stop_reason != "tool_timeout":
+            # The sentry died before the timeout, but the command's result came back first.
+            assert backend == "gvisor", result
+            deadline = time.monotonic() + 5
+            while await bomb.healthy():
+                assert time.monotonic() < deadline, f"bomb ended early, sandbox alive: {result}"
+                await asyncio.sleep(0.1)
     assert (not running and backend == "gvisor") or p99(running) < 2 * p99(frozen), (
         f"neighbour exec p99 {p99(running) * 1000:.0f} ms with the bomb running vs "
         f"{p99(frozen) * 1000:.0f} ms with it frozen (median "
