@@ -104,8 +104,8 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def train_once(model: Path, run_dir: Path, max_staleness: int, steps: int) -> dict[str, Any]:
     """Train `steps` steps; return wall/CPU seconds and the per-step metrics."""
     from omniloop.config import load_config
-    from omniloop.platform.controller import run
-    from omniloop.platform.run_config import RunConfig
+    from omniloop.platform.control.run import run
+    from omniloop.platform.control.run_config import RunConfig
 
     bench = Path(__file__).resolve()
     config = load_config(

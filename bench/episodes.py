@@ -17,8 +17,9 @@ import time
 from pathlib import Path
 
 from omniloop import Task, ToolAgent
-from omniloop.platform.engines import local_engine
-from omniloop.platform.rollout import RolloutConfig, run_rollout, summarize
+from omniloop.platform.control.engines import local_engine
+from omniloop.platform.control.rollout import run_rollout, summarize
+from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.tools import python
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,7 +17,7 @@ def _register() -> None:
     # for commands that do not need torch.
     from omniloop.inference.cli import app as engine_app
     from omniloop.platform.api.cli import register as register_api
-    from omniloop.platform.cli import register as register_platform
+    from omniloop.platform.control.cli import register as register_platform
     from omniloop.sandboxes.cli import app as sandbox_app
 
     app.add_typer(sandbox_app, name="sandbox", help="Run commands in tool sandboxes.")

@@ -24,7 +24,7 @@ import torch
 from omniloop.agents.base import Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.inference.models import load_tokenizer
-from omniloop.platform.rollout import load_tasks
+from omniloop.platform.control.components import load_tasks
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.torch_backend import TorchTrainerBackend

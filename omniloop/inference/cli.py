@@ -11,7 +11,7 @@ import typer
 from omniloop.errors import ConfigError
 
 if TYPE_CHECKING:
-    from omniloop.inference.core import EngineConfig
+    from omniloop.inference.core import EngineServerConfig
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -40,10 +40,10 @@ def serve(
     from pydantic import ValidationError
 
     from omniloop.config import format_validation_error
-    from omniloop.inference.core import EngineConfig
+    from omniloop.inference.core import EngineServerConfig
 
     try:
-        config = EngineConfig(
+        config = EngineServerConfig(
             model=model,
             host=host,
             port=port,
@@ -53,7 +53,7 @@ def serve(
             prefill_tokens=prefill_tokens,
         )
     except ValidationError as err:
-        raise typer.BadParameter(format_validation_error(EngineConfig, err)) from None
+        raise typer.BadParameter(format_validation_error(EngineServerConfig, err)) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
     try:
         asyncio.run(_serve(config, log_level))
@@ -62,7 +62,7 @@ def serve(
         raise typer.Exit(2) from None
 
 
-async def _serve(config: EngineConfig, log_level: str) -> None:
+async def _serve(config: EngineServerConfig, log_level: str) -> None:
     import uvicorn
 
     from omniloop.inference.core import build_core

@@ -96,7 +96,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-class EngineConfig(StrictModel):
+class EngineServerConfig(StrictModel):
     """How to run omniloop's CPU engine (`omniloop engine serve`)."""
 
     model: str = "tiny"
@@ -245,7 +245,7 @@ class EngineCore:
         prefill_tokens: int = 2048,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
-        """Load the model folder's weights and tokenizer; see `EngineConfig` for the knobs.
+        """Load the model folder's weights and tokenizer; see `EngineServerConfig` for the knobs.
 
         `max_context` is capped at the model's `max_position_embeddings` (default: that, at
         most 4096). The scheduler thread sets torch's thread count to `threads`, which in
@@ -1102,7 +1102,7 @@ def new_weight_update_group(
     return group
 
 
-def build_core(config: EngineConfig) -> EngineCore:
+def build_core(config: EngineServerConfig) -> EngineCore:
     """Resolve `config.model` and load it into an `EngineCore` (not started)."""
     from omniloop.inference.models import resolve_model
 

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from omniloop.config import load_config
-from omniloop.platform.rollout import RolloutConfig, run_rollout, summarize
+from omniloop.platform.control.rollout import run_rollout, summarize
+from omniloop.platform.control.rollout_config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "calculator"

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from omniloop.config import load_config
-from omniloop.platform.rollout import RolloutConfig, run_rollout, summarize
+from omniloop.platform.control.rollout import run_rollout, summarize
+from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.trajectory import Trajectory
 
 HERE = Path(__file__).parent
@@ -109,7 +110,7 @@ def test_rollout_cli_rejects_unknown_keys_with_the_valid_ones(tmp_path, tiny_eng
 @pytest.mark.parametrize("line", ['{"prompt": "no id"}', "not json"])
 def test_bad_task_lines_are_reported_with_their_line_number(tmp_path, line):
     from omniloop.errors import ConfigError
-    from omniloop.platform.rollout import load_tasks
+    from omniloop.platform.control.components import load_tasks
 
     path = tmp_path / "tasks.jsonl"
     path.write_text('{"id": "a", "prompt": "ok"}\n' + line + "\n")

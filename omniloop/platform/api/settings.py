@@ -17,7 +17,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 
 from omniloop.config import StrictModel
 from omniloop.inference.base import SamplingParams
-from omniloop.platform.rollout import EngineConfig
+from omniloop.platform.control.rollout_config import EngineConfig
 from omniloop.sandboxes.config import SandboxConfig
 
 TOKEN_ENV = "OMNILOOP_API_TOKEN"

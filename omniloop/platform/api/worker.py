@@ -39,7 +39,7 @@ from omniloop.platform.api.events import EpisodeSignals
 from omniloop.platform.api.metrics import ApiMetrics
 from omniloop.platform.api.schemas import MAX_TURNS_FIELD
 from omniloop.platform.api.settings import AgentEntry, ApiSettings
-from omniloop.platform.episode import (
+from omniloop.platform.control.episode import (
     EpisodeCancelled,
     EpisodeSettings,
     SandboxProvider,
@@ -85,7 +85,7 @@ class LoadedAgent:
 
 def load_agents(settings: ApiSettings) -> dict[str, LoadedAgent]:
     """Import every configured agent and its rewards; raise `ConfigError` naming the bad one."""
-    from omniloop.platform.rollout import build_agent, build_rewards
+    from omniloop.platform.control.components import build_agent, build_rewards
 
     loaded = {}
     for name, entry in settings.agents.items():
@@ -263,7 +263,7 @@ class EpisodeWorker:
     async def _runtime(self) -> AsyncIterator[_Runtime]:
         from omniloop.inference.client import EngineClient
         from omniloop.inference.models import load_tokenizer
-        from omniloop.platform.rollout import engine_url, sandbox_pool
+        from omniloop.platform.control.rollout import engine_url, sandbox_pool
 
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.engine.model)
 

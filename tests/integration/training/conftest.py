@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from omniloop.config import load_config
-from omniloop.platform.run_config import RunConfig
+from omniloop.platform.control.run_config import RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
 TOY = REPO / "examples" / "toy_tool"

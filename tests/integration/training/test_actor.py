@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from omniloop.platform.control.local import LocalActor
+from omniloop.platform.control.rollout_config import RolloutConfig
+from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.data import DataPlane, DataPlaneConfig
-from omniloop.platform.roles import LocalActor
-from omniloop.platform.rollout import RolloutConfig
-from omniloop.platform.run_config import RunConfig
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trajectory import StopReason, Trajectory, TrajectoryBuilder, TrajectoryMeta

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from omniloop.platform.controller import run
+from omniloop.platform.control.run import run
 from omniloop.platform.store import Store
 from omniloop.trajectory import Trajectory
 

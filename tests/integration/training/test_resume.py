@@ -24,9 +24,9 @@ import psutil
 import pytest
 import torch
 
-from omniloop.platform.controller import checkpoints
-from omniloop.platform.roles import step_tasks
-from omniloop.platform.rollout import load_tasks
+from omniloop.platform.control.components import load_tasks
+from omniloop.platform.control.local import step_tasks
+from omniloop.platform.control.record import checkpoints
 from omniloop.platform.store import Store
 from omniloop.trajectory import trajectory_id
 

@@ -10,8 +10,8 @@ import yaml
 from omniloop.agents.base import Task
 from omniloop.config import load_config
 from omniloop.errors import ConfigError
-from omniloop.platform.roles import step_tasks
-from omniloop.platform.run_config import RunConfig, config_yaml
+from omniloop.platform.control.local import step_tasks
+from omniloop.platform.control.run_config import RunConfig, config_yaml
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = [

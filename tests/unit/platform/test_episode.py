@@ -14,7 +14,7 @@ from omniloop.agents.chat import ChatFormat
 from omniloop.errors import EngineError, SandboxError
 from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.models import load_tokenizer
-from omniloop.platform.episode import EpisodeCancelled, EpisodeSettings, run_episode
+from omniloop.platform.control.episode import EpisodeCancelled, EpisodeSettings, run_episode
 from omniloop.sandboxes.base import ExecResult
 from omniloop.tools import python
 

@@ -12,7 +12,7 @@ import math
 import pytest
 from pydantic import BaseModel
 
-from omniloop.platform.staleness import (
+from omniloop.platform.control.staleness import (
     GateClosedError,
     MaxStaleness,
     StalenessGate,

@@ -28,7 +28,9 @@ def rollout(
 ) -> None:
     """Run N episodes of a JSONL task set; write trajectories as JSONL and print a summary."""
     from omniloop.config import dump_config, load_config
-    from omniloop.platform.rollout import RolloutConfig, console, run_rollout, summarize
+    from omniloop.platform.control.console import console
+    from omniloop.platform.control.rollout import run_rollout, summarize
+    from omniloop.platform.control.rollout_config import RolloutConfig
 
     try:
         resolved = load_config(RolloutConfig, config, overrides or [])
@@ -65,9 +67,9 @@ def run(
 ) -> None:
     """Train a policy with RL: rollouts, rewards, advantages, optimizer steps, weight syncs."""
     from omniloop.config import load_config
-    from omniloop.platform.controller import run as run_training
-    from omniloop.platform.rollout import console
-    from omniloop.platform.run_config import RunConfig, config_yaml
+    from omniloop.platform.control.console import console
+    from omniloop.platform.control.run import run as run_training
+    from omniloop.platform.control.run_config import RunConfig, config_yaml
 
     items = list(args or [])
     config_path: Path | None = None

@@ -17,8 +17,8 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from omniloop.config import StrictModel
-from omniloop.platform.rollout import RolloutConfig
-from omniloop.platform.staleness import MaxStaleness
+from omniloop.platform.control.rollout_config import RolloutConfig
+from omniloop.platform.control.staleness import MaxStaleness
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.weight_sync import WeightSyncConfig
 

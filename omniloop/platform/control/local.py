@@ -35,12 +35,13 @@ import torch
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.inference.client import EngineClient
-from omniloop.platform.controller import RolloutReport, TrainReport
+from omniloop.platform.control.components import episode_plan
+from omniloop.platform.control.controller import RolloutReport, TrainReport
+from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
+from omniloop.platform.control.rollout import write_trajectory
+from omniloop.platform.control.run_config import RunConfig
+from omniloop.platform.control.staleness import StalenessGate
 from omniloop.platform.data import MicroBatch
-from omniloop.platform.episode import EpisodeSettings, SandboxProvider, run_episode
-from omniloop.platform.rollout import episode_plan, write_trajectory
-from omniloop.platform.run_config import RunConfig
-from omniloop.platform.staleness import StalenessGate
 from omniloop.rewards import RewardFn
 from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.batch import TrainBatch

@@ -1,0 +1,142 @@
+"""What a run leaves behind: its files, its database records, its console lines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.progress import Progress, TaskID
+
+from omniloop.errors import ConfigError
+from omniloop.platform.control.controller import Actor, RolloutReport, TrainReport
+from omniloop.platform.control.metrics import MetricsSink, truncate_jsonl
+from omniloop.platform.control.run_config import RunConfig
+
+if TYPE_CHECKING:
+    from omniloop.platform.store import AsyncStore
+
+
+class RunRecord:
+    """The run's files, database records and console output, one `step` call per trained step.
+
+    The database gets each step's metrics and episodes (with their trajectories) once the step
+    is trained, in one transaction each, so the dashboard shows a run as it trains.
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        sink: MetricsSink,
+        progress: Progress,
+        store: AsyncStore,
+        *,
+        resume_step: int,
+    ) -> None:
+        assert config.run_id is not None, "the run id is resolved before the run starts"
+        self.run_dir = Path(config.run_dir)
+        self.trained_path = self.run_dir / "trained.jsonl"
+        self.run_id = config.run_id
+        self._config = config
+        self._sink = sink
+        self._progress = progress
+        self._store = store
+        self._bars: dict[int, TaskID] = {}
+        for path in (self.trained_path, sink.path):
+            truncate_jsonl(path, resume_step)
+
+    def episodes_started(self, step: int, total: int) -> None:
+        """A progress bar for `step` (called by the rollout when the step starts)."""
+        self._bars[step] = self._progress.add_task(f"step {step + 1}", total=total)
+
+    def episodes_done(self, step: int, count: int) -> None:
+        """Advance `step`'s bar by `count` finished episodes."""
+        self._progress.advance(self._bars[step], count)
+
+    async def step(
+        self,
+        rollout: RolloutReport,
+        advantages: dict[str, float],
+        trained: TrainReport,
+        synced: dict[str, float],
+        *,
+        seconds: float,
+    ) -> dict[str, float]:
+        """Append the step's trained ids and metrics, record them and its episodes in the
+        database; print its summary line."""
+        metrics = {**rollout.metrics(), **advantages, **trained.metrics, **synced}
+        metrics["kl"] = trained.metrics.get("actor/ppo_kl", math.nan)
+        metrics["entropy"] = trained.metrics.get("actor/entropy", math.nan)
+        metrics["actor/trained_samples"] = float(len(trained.trained))
+        metrics["perf/step_seconds"] = seconds
+        metrics["perf/tokens_per_second"] = metrics["perf/sampled_tokens"] / max(seconds, 1e-9)
+        with self.trained_path.open("a") as stream:
+            line = {
+                "step": trained.step,
+                "trainer_version": trained.trained_version,
+                "version": trained.version,
+                "samples": trained.trained,
+            }
+            stream.write(json.dumps(line) + "\n")
+        self._progress.remove_task(self._bars.pop(trained.step))
+        await self._store.record_episodes(
+            self.run_id, rollout.trajectories, agent=self._config.rollout.agent
+        )
+        await self._store.record_metrics(self.run_id, trained.step, metrics)
+        self._sink.log(trained.step, metrics, total_steps=self._config.steps)
+        return metrics
+
+    async def checkpoint(self, actor: Actor, step: int) -> Path:
+        """Save `checkpoints/step_{step}` and delete all but the newest `keep_checkpoints`."""
+        path = self.run_dir / "checkpoints" / f"step_{step}"
+        await actor.save(path, step)
+        for old in checkpoints(self.run_dir)[: -self._config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The complete checkpoints of a run, oldest first."""
+    found = [
+        p
+        for p in (run_dir / "checkpoints").glob("step_*")
+        if (p / "trainer_state.json").is_file() and p.name.removeprefix("step_").isdigit()
+    ]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+@contextlib.asynccontextmanager
+async def recorded_run(
+    store: AsyncStore, config: RunConfig, *, resume: bool
+) -> AsyncIterator[None]:
+    """The run's record in the database for the block: `running` during it, then `completed`,
+    `cancelled` (interrupted) or `failed`. A resumed run continues its record."""
+    from omniloop.platform.store import NotFound
+
+    assert config.run_id is not None
+    name = Path(config.run_dir).name
+    try:
+        await store.get_run(config.run_id)
+    except NotFound:
+        await store.create_run(name, config.model_dump(mode="json"), run_id=config.run_id)
+    else:
+        if not resume:
+            raise ConfigError(
+                f"the database already holds a run {config.run_id!r}: choose another run_id, "
+                "or resume the run with --resume"
+            )
+    await store.update_run_status(config.run_id, "running")
+    try:
+        yield
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        await asyncio.shield(store.update_run_status(config.run_id, "cancelled"))
+        raise
+    except BaseException:
+        await asyncio.shield(store.update_run_status(config.run_id, "failed"))
+        raise
+    await store.update_run_status(config.run_id, "completed")

@@ -1,0 +1,121 @@
+"""`omniloop rollout`: run N episodes of a task set and write their trajectories.
+
+The rollout worker's loop: for each (task, sample) pair, run an episode under a concurrency
+bound, write its trajectory as one JSONL line as soon as it finishes, and summarise at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from omniloop.agents.base import Task
+from omniloop.agents.chat import ChatFormat
+from omniloop.inference.client import EngineClient
+from omniloop.inference.models import load_tokenizer
+from omniloop.platform.control.components import (
+    build_agent,
+    build_rewards,
+    episode_plan,
+    load_tasks,
+)
+from omniloop.platform.control.console import console, progress_bar
+from omniloop.platform.control.engines import local_engine
+from omniloop.platform.control.episode import EpisodeSettings, run_episode
+from omniloop.platform.control.rollout_config import EngineConfig, RolloutConfig
+from omniloop.sandboxes.base import Sandbox
+from omniloop.sandboxes.config import SandboxConfig
+from omniloop.sandboxes.factory import create_sandbox, resolve_backend
+from omniloop.sandboxes.pool import SandboxPool
+from omniloop.trajectory import Trajectory
+
+
+@contextlib.asynccontextmanager
+async def engine_url(config: EngineConfig, log_dir: Path | None = None) -> AsyncIterator[str]:
+    """The configured engine's URL, starting a local engine for the block if none is given."""
+    if config.url:
+        yield config.url.rstrip("/")
+        return
+    log = log_dir / "engine.log" if log_dir else None
+    async with local_engine(
+        config.model, threads=config.threads, log_path=log, startup_timeout=config.startup_timeout
+    ) as url:
+        yield url
+
+
+def write_trajectory(stream: Any, trajectory: Trajectory) -> None:
+    """Append one trajectory as a JSON line and flush (a crash loses at most one line)."""
+    stream.write(trajectory.model_dump_json() + "\n")
+    stream.flush()
+
+
+def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
+    """Counts and means; infrastructure failures are counted, not averaged into rewards."""
+    scored = [t.reward for t in trajectories if t.reward is not None and not t.is_infra_failure]
+    stops: dict[str, int] = {}
+    for t in trajectories:
+        stops[str(t.meta.stop_reason)] = stops.get(str(t.meta.stop_reason), 0) + 1
+    n = len(trajectories)
+    return {
+        "episodes": n,
+        "errors": sum(t.is_infra_failure for t in trajectories),
+        "reward_mean": sum(scored) / len(scored) if scored else None,
+        "response_length_mean": sum(t.response_length for t in trajectories) / n if n else 0.0,
+        "turns_mean": sum(len(t.meta.turns) for t in trajectories) / n if n else 0.0,
+        "tool_calls": sum(len(t.meta.tool_calls) for t in trajectories),
+        "stop_reasons": dict(sorted(stops.items())),
+    }
+
+
+@contextlib.asynccontextmanager
+async def sandbox_pool(config: SandboxConfig) -> AsyncIterator[SandboxPool[Sandbox]]:
+    """A warm pool of the configured backend's sandboxes; the choice of backend is printed."""
+    backend = resolve_backend(config)
+    console.print(f"[bold]sandbox backend:[/bold] {backend}")
+    resolved = config.model_copy(update={"backend": backend})
+    async with SandboxPool(lambda: create_sandbox(resolved), config.pool_size) as pool:
+        yield pool
+
+
+async def run_rollout(config: RolloutConfig) -> list[Trajectory]:
+    """Run every episode of `config`, writing trajectories as they finish; return them all."""
+    tasks = load_tasks(config.tasks, config.num_tasks)
+    agent = build_agent(config.agent)
+    rewards = build_rewards(config.rewards)
+    tokenizer = load_tokenizer(config.engine.model)
+    chat = ChatFormat(tokenizer, agent.tool_schemas)
+    plan = list(episode_plan(config, tasks))
+    output = Path(config.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    limit = asyncio.Semaphore(config.concurrency)
+    results: list[Trajectory] = []
+
+    async with (
+        engine_url(config.engine, log_dir=output.parent) as url,
+        EngineClient(url) as engine,
+        sandbox_pool(config.sandbox) as pool,
+    ):
+
+        async def one(task: Task, settings: EpisodeSettings) -> Trajectory:
+            async with limit:
+                return await run_episode(
+                    agent,
+                    task,
+                    engine=engine,
+                    chat=chat,
+                    sandbox_provider=pool,
+                    rewards=rewards,
+                    settings=settings,
+                )
+
+        with output.open("w") as stream, progress_bar() as bar:  # noqa: ASYNC230
+            job = bar.add_task("episodes", total=len(plan))
+            for finished in asyncio.as_completed([one(t, s) for t, s in plan]):
+                trajectory = await finished
+                write_trajectory(stream, trajectory)
+                results.append(trajectory)
+                bar.advance(job)
+    return results
