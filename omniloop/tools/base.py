@@ -1,8 +1,9 @@
 """Tools: typed Python functions the model can call, and the toolset that runs them.
 
 A tool is a plain function (sync or async) decorated with `@tool`. Its JSON schema is built by
-pydantic from the signature; parameter descriptions come from a Google-style `Args:` section of
-the docstring, the tool description from the docstring's first paragraph. A parameter annotated
+pydantic from the signature; parameter descriptions come from the docstring's parameter section
+(Google `Args:`, reST `:param name:` or numpydoc `Parameters`, read by `docstring_parser`), the
+tool description from the docstring's first paragraph. A parameter annotated
 `ToolContext` receives the episode's context (sandbox, task, episode id, per-episode state) and
 is not part of the schema.
 
@@ -36,6 +37,7 @@ from typing import (
     runtime_checkable,
 )
 
+import docstring_parser
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic.fields import FieldInfo
@@ -141,58 +143,42 @@ class Tool(Protocol):
 # Docstrings
 
 
-_SECTION_RE = re.compile(
-    r"^(Args|Arguments|Parameters|Params|Returns|Return|Yields|Raises|Examples?|Notes?|"
-    r"Attributes|See Also|Warnings?|Todo)\s*:\s*$"
-)
-_ARGS_HEADERS = {"Args", "Arguments", "Parameters", "Params"}
-_PARAM_RE = re.compile(r"^\*{0,2}(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+_PARAM_KINDS = frozenset({"param", "parameter", "arg", "argument", "key", "keyword", "other_param"})
+"""`docstring_parser` meta kinds that describe a function parameter (not `attribute`, which it
+also reports as a parameter)."""
+
+_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
+
+
+def _one_line(text: str) -> str:
+    """`text` with its lines stripped and joined by single spaces (blank lines dropped)."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """Split a Google-style docstring into (description, {parameter: description}).
+    """Split a docstring into (description, {parameter: description}).
 
-    The description is the first paragraph, its lines joined by spaces. Parameter descriptions
-    come from the `Args:` section (`name: text` or `name (type): text`, continuation lines
-    indented deeper); other sections are ignored.
+    Parsed by `docstring_parser`, whose style (Google `Args:`, reST `:param name:`, numpydoc
+    `Parameters`, epydoc `@param name:`) is detected per docstring. The description is the
+    first paragraph, its lines joined by spaces. Parameter descriptions come from the parameter
+    sections (`Args`/`Arguments`/`Parameters`/`Params`, keyword and other parameters; not
+    `Attributes`), their lines joined the same way; other sections are ignored. A docstring the
+    library cannot parse gives its first paragraph and no parameter descriptions.
     """
-    if not doc:
+    if not doc or not doc.strip():
         return "", {}
-    lines = inspect.cleandoc(doc).splitlines()
-    first: list[str] = []
-    for line in lines:
-        if not line.strip() or _SECTION_RE.match(line.strip()):
-            break
-        first.append(line.strip())
     params: dict[str, str] = {}
-    i = 0
-    while i < len(lines):
-        header = _SECTION_RE.match(lines[i].strip())
-        if not header or header.group(1) not in _ARGS_HEADERS:
-            i += 1
-            continue
-        header_indent = len(lines[i]) - len(lines[i].lstrip())
-        i += 1
-        entry_indent: int | None = None
-        current: str | None = None
-        while i < len(lines):
-            line = lines[i]
-            if not line.strip():
-                i += 1
-                continue
-            indent = len(line) - len(line.lstrip())
-            if indent <= header_indent:
-                break
-            if entry_indent is None:
-                entry_indent = indent
-            match = _PARAM_RE.match(line.strip()) if indent == entry_indent else None
-            if match:
-                current = match.group(1)
-                params[current] = match.group(2).strip()
-            elif current is not None:
-                params[current] = f"{params[current]} {line.strip()}".strip()
-            i += 1
-    return " ".join(first), params
+    try:
+        parsed = docstring_parser.parse(doc)
+    except docstring_parser.ParseError:
+        text = inspect.cleandoc(doc)
+    else:
+        text = parsed.description or ""
+        for param in parsed.params:
+            if param.args and param.args[0] in _PARAM_KINDS and param.description:
+                params[param.arg_name] = _one_line(param.description)
+    first = _PARAGRAPH_BREAK.split(text.strip(), maxsplit=1)[0]
+    return _one_line(first), params
 
 
 # ---------------------------------------------------------------------------------------------

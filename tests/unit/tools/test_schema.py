@@ -264,3 +264,77 @@ def test_parse_docstring_handles_missing_and_sectionless_docstrings():
     )
     assert description == "Two lines."
     assert args == {"x": "the x"}
+
+
+def test_rest_numpydoc_and_epydoc_parameter_sections_describe_parameters():
+    def rest(query: str, limit: int = 10) -> str:
+        """Search the corpus.
+
+        :param query: What to look for,
+            in plain words.
+        :param int limit: How many passages to return.
+        :returns: The passages.
+        """
+        return ""
+
+    def numpydoc(query: str, limit: int = 10) -> str:
+        """Search the corpus.
+
+        Parameters
+        ----------
+        query : str
+            What to look for,
+            in plain words.
+        limit : int, optional
+            How many passages to return.
+
+        Returns
+        -------
+        str
+        """
+        return ""
+
+    def epydoc(query: str, limit: int = 10) -> str:
+        """Search the corpus.
+
+        @param query: What to look for,
+            in plain words.
+        @param limit: How many passages to return.
+        """
+        return ""
+
+    for fn in (rest, numpydoc, epydoc):
+        t = tool(fn)
+        assert t.description == "Search the corpus.", fn.__name__
+        props = params(t)["properties"]
+        assert props["query"]["description"] == "What to look for, in plain words.", fn.__name__
+        assert props["limit"]["description"] == "How many passages to return.", fn.__name__
+
+
+def test_multi_paragraph_parameter_text_is_joined_and_attributes_are_not_parameters():
+    description, args = parse_docstring(
+        """Summary line
+        that wraps.
+        Args:
+            x: first part
+
+                second part.
+        Attributes:
+            y: an attribute, not a parameter
+        """
+    )
+    assert description == "Summary line that wraps."
+    assert args == {"x": "first part second part."}
+
+
+def test_a_docstring_the_library_rejects_keeps_its_first_paragraph(monkeypatch):
+    import docstring_parser
+
+    def refuse(text: str) -> None:
+        raise docstring_parser.ParseError("unparseable")
+
+    monkeypatch.setattr(docstring_parser, "parse", refuse)
+    assert parse_docstring("First\n    paragraph.\n\n    Args:\n        x: ignored\n") == (
+        "First paragraph.",
+        {},
+    )
