@@ -9,6 +9,7 @@ are enforced here by raising `EpisodeEnd`, which the rollout turns into the stop
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -18,6 +19,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from omniloop.agents.chat import ChatFormat, Message
 from omniloop.inference.base import Engine, SamplingParams
 from omniloop.trajectory import StopReason, TrajectoryBuilder, TurnRecord
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of turn `turn` (0-based) of an episode whose seed is `seed`.
+
+    Every turn of an episode gets its own seed, so turns draw independent random numbers (with
+    one seed for all, every turn would replay the same draws), and the same episode seed gives
+    the same per-turn seeds in every run. The value is a 32-bit unsigned integer (a blake2b hash
+    of both), within what every engine accepts. None stays None: the engine picks a fresh seed.
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:turn:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
 
 
 class Task(BaseModel):
@@ -98,7 +113,9 @@ class Session:
 
         `prefill` is text placed at the start of the turn as if the model had written it; its
         tokens are mask 0 (the policy did not sample them) and it is part of `Turn.text`.
-        Raises `EpisodeEnd` when `max_turns` is reached or no context is left.
+        The request's seed is `turn_seed(sampling.seed, turn)`: each turn samples independently,
+        reproducibly from the episode's seed. Raises `EpisodeEnd` when `max_turns` is reached
+        or no context is left.
         """
         if len(self.turns) >= self.max_turns:
             raise EpisodeEnd("max_turns", f"{self.max_turns} turns")
@@ -114,6 +131,7 @@ class Session:
         max_new = min(self.sampling.max_new_tokens, room)
         params = self.sampling.model_copy(
             update={
+                "seed": turn_seed(self.sampling.seed, len(self.turns)),
                 "max_new_tokens": max_new,
                 "stop_token_ids": sorted(
                     {*(self.sampling.stop_token_ids or []), *self.chat.stop_token_ids}

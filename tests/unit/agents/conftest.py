@@ -18,16 +18,19 @@ def tokenizer():
 
 @dataclass
 class ScriptedEngine:
-    """Returns scripted token ids turn by turn and records every prompt it was given."""
+    """Returns scripted token ids turn by turn and records every prompt and sampling it was
+    given."""
 
     replies: list[list[int]]
     finish: list[str] | None = None
     version: int = 3
     prompts: list[list[int]] = field(default_factory=list)
+    samplings: list[SamplingParams] = field(default_factory=list)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
         turn = len(self.prompts)
         self.prompts.append(list(input_ids))
+        self.samplings.append(sampling)
         ids = self.replies[turn][: sampling.max_new_tokens]
         reason = (self.finish[turn] if self.finish else None) or (
             "length" if len(ids) < len(self.replies[turn]) else "stop"
