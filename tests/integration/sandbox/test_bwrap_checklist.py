@@ -402,6 +402,37 @@ async def test_d24_seccomp_denies_keyctl_bpf_and_ptrace_of_pid_1(sandbox: BwrapS
     ]
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="i386 and x32 are x86_64's other ABIs")
+async def test_d24_seccomp_kills_the_i386_abi_and_denies_the_x32_range(
+    sandbox: BwrapSandbox,
+) -> None:
+    # getpid through each ABI. Without the filter the i386 call succeeds (the kernel emulates
+    # i386) and the x32 call fails with ENOSYS (x32 is off) or succeeds, never with EPERM.
+    x32 = (
+        "import ctypes, errno\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "ret = libc.syscall(0x40000000 | 39)\n"
+        "print('x32', ret, errno.errorcode.get(ctypes.get_errno()) if ret < 0 else 'ok')\n"
+    )
+    i386 = (
+        "import ctypes, mmap\n"
+        "code = b'\\xb8\\x14\\x00\\x00\\x00\\xcd\\x80\\xc3'\n"  # mov eax, 20; int 0x80; ret
+        "page = mmap.mmap(-1, mmap.PAGESIZE, prot=mmap.PROT_READ | mmap.PROT_WRITE"
+        " | mmap.PROT_EXEC)\n"
+        "page.write(code)\n"
+        "call = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(page)))\n"
+        "print('calling', flush=True)\n"
+        "print('i386 pid', call(), flush=True)\n"
+    )
+
+    denied = await sandbox.exec(["python3", "-c", x32])
+    killed = await sandbox.exec(["python3", "-c", i386])
+
+    assert denied.stdout.splitlines() == ["x32 -1 EPERM"]
+    assert killed.stdout.splitlines() == ["calling"]
+    assert killed.exit_code == 128 + 31  # SIGSYS: SECCOMP_RET_KILL_PROCESS
+
+
 async def test_d25_root_filesystem_is_read_only(sandbox: BwrapSandbox) -> None:
     script = (
         "echo x > /usr/bin/x 2>/dev/null; echo usr=$?; "
