@@ -1,8 +1,8 @@
-"""The bwrap backend's seccomp filter, run through a classic-BPF interpreter for every syscall
+"""The bwrap backend's seccomp filters, run through a classic-BPF interpreter for every syscall
 number of every ABI that matters, on both supported machines (whatever the host is).
 
 The reference below is the kernel's uapi syscall numbers; the expected verdicts are the
-filter's contract: each listed syscall returns EPERM, the rest of the native ABI is allowed, the
+filters' contract: each listed syscall returns EPERM, the rest of the native ABI is allowed, the
 x32 range of x86_64 returns EPERM, and any other ABI kills the process.
 """
 
@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import errno
 import struct
+import sys
 
 import pytest
 
-from omniloop.sandboxes.bwrap import seccomp_program
+from omniloop.errors import SandboxError
+from omniloop.sandboxes.bwrap import DENIED_SYSCALL_NAMES, denied_syscalls, seccomp_programs
 
 # name → (x86_64, aarch64) from asm/unistd_64.h and asm-generic/unistd.h; None: no such syscall.
 REFERENCE: dict[str, tuple[int | None, int | None]] = {
@@ -103,7 +105,7 @@ def run_bpf(program: bytes, arch: int, nr: int) -> int:
             raise AssertionError(f"instruction {code:#x} at {pc} is not interpreted here")
 
 
-def verdict(programs: list[bytes], arch: int, nr: int) -> int:
+def verdict(programs: tuple[bytes, ...], arch: int, nr: int) -> int:
     """What the kernel does with several filters: the most severe action wins."""
 
     def severity(action: int) -> int:
@@ -116,6 +118,9 @@ def verdict(programs: list[bytes], arch: int, nr: int) -> int:
 def expected(machine: str, arch: int, nr: int) -> int:
     if arch != AUDIT_ARCH[machine]:
         return KILL_PROCESS
+    if nr == 0xFFFFFFFF:
+        # -1 is no syscall (the kernel answers ENOSYS); libseccomp lets it pass for tracers.
+        return ALLOW
     if machine == "x86_64" and nr >= X32_BIT:
         return EPERM
     return EPERM if nr in denied_numbers(machine) else ALLOW
@@ -123,26 +128,42 @@ def expected(machine: str, arch: int, nr: int) -> int:
 
 @pytest.mark.parametrize("machine", MACHINES)
 def test_every_syscall_of_every_abi_gets_the_filters_verdict(machine: str) -> None:
-    program = seccomp_program(machine)
-    assert program is not None
+    programs = seccomp_programs(machine)
+    assert len(programs) == 2
     wrong = [
         (hex(arch), hex(nr), hex(got), hex(want))
         for arch in (AUDIT_ARCH[machine], *FOREIGN_ARCHES)
         for nr in NUMBERS
-        if (got := verdict([program], arch, nr)) != (want := expected(machine, arch, nr))
+        if (got := verdict(programs, arch, nr)) != (want := expected(machine, arch, nr))
     ]
     assert wrong == []
 
 
+@pytest.mark.parametrize("machine", MACHINES)
+def test_libseccomp_resolves_each_denied_syscall_to_the_kernels_number(machine: str) -> None:
+    column = MACHINES.index(machine)
+    reference = {name: nrs[column] for name, nrs in REFERENCE.items() if nrs[column] is not None}
+
+    assert set(DENIED_SYSCALL_NAMES) == set(REFERENCE)
+    assert denied_syscalls(machine) == reference
+
+
 def test_every_denied_syscall_is_refused_with_eperm() -> None:
     for machine in MACHINES:
-        program = seccomp_program(machine)
-        assert program is not None
+        programs = seccomp_programs(machine)
         for name, nrs in REFERENCE.items():
             nr = nrs[MACHINES.index(machine)]
             if nr is not None:
-                assert verdict([program], AUDIT_ARCH[machine], nr) == EPERM, (machine, name)
+                assert verdict(programs, AUDIT_ARCH[machine], nr) == EPERM, (machine, name)
 
 
 def test_an_unknown_machine_has_no_filter() -> None:
-    assert seccomp_program("riscv64") is None
+    assert seccomp_programs("riscv64") == ()
+    assert denied_syscalls("riscv64") == {}
+
+
+def test_a_missing_libseccomp_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails as without the library
+
+    with pytest.raises(SandboxError, match="libseccomp2"):
+        seccomp_programs("x86_64")

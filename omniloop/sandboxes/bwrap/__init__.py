@@ -1,7 +1,7 @@
 """The `bwrap` backend: a bubblewrap process sandbox for hosts without Docker.
 
 How a sandbox is started and isolated: `isolation` (the command line: rlimits, host uid switch,
-namespaces, file system view), `seccomp` (the syscall filter), `cgroups` (memory, pids, CPU),
+namespaces, file system view), `seccomp` (the syscall filters), `cgroups` (memory, pids, CPU),
 `host` (what the host allows, probed once; sized tmpfs mounts; host uids), `launcher` (the
 per-sandbox process that starts every bwrap) and `cleanup` (removal, also after a crash). What
 runs inside it: `run` (one command's processes and output streams) and `files` (workspace file
@@ -27,11 +27,12 @@ What is covered
 - Privilege: the command runs as uid/gid 1000 inside a user namespace, with every capability
   dropped (`--cap-drop ALL`, empty bounding set), `no_new_privs` (bwrap always sets it, so setuid
   binaries do not raise privileges), `--disable-userns` (no nested user namespaces, so
-  `unshare -U` fails), `--new-session` (no TIOCSTI into the caller's terminal) and a seccomp
-  filter (x86_64 and aarch64) that returns EPERM for ptrace, process_vm_*, keyctl/add_key/
-  request_key, bpf, perf_event_open, userfaultfd, io_uring, the mount API, setns/unshare,
-  module and kexec loading, swap, reboot, clock setting, syslog, acct, quotactl and
-  open_by_handle_at, and kills any process using a foreign syscall ABI (i386, x32).
+  `unshare -U` fails), `--new-session` (no TIOCSTI into the caller's terminal) and seccomp
+  filters (x86_64 and aarch64, built with libseccomp) that return EPERM for ptrace,
+  process_vm_*, keyctl/add_key/request_key, bpf, perf_event_open, userfaultfd, io_uring, the
+  mount API, setns/unshare, module and kexec loading, swap, reboot, clock setting, syslog,
+  acct, quotactl and open_by_handle_at, return EPERM for the x32 syscall range, and kill any
+  process using another syscall ABI (i386 on x86_64, arm32 on aarch64).
 - Host uid: when the service runs as root, bwrap itself runs as a dedicated unprivileged host uid
   per sandbox (`HOST_UID_BASE + n`, switched by `setpriv` right after `prlimit` has set the
   rlimits). A process that escaped every namespace would be an unprivileged, otherwise unused
@@ -100,10 +101,10 @@ from omniloop.sandboxes.bwrap.cleanup import reap_stale_sandboxes
 from omniloop.sandboxes.bwrap.host import HOST_UID_BASE, HOST_UID_SPAN, bwrap_available
 from omniloop.sandboxes.bwrap.isolation import SANDBOX_UID
 from omniloop.sandboxes.bwrap.sandbox import BwrapSandbox, create_bwrap_sandbox
-from omniloop.sandboxes.bwrap.seccomp import DENIED_SYSCALLS, seccomp_program
+from omniloop.sandboxes.bwrap.seccomp import DENIED_SYSCALL_NAMES, denied_syscalls, seccomp_programs
 
 __all__ = [
-    "DENIED_SYSCALLS",
+    "DENIED_SYSCALL_NAMES",
     "HOST_UID_BASE",
     "HOST_UID_SPAN",
     "SANDBOX_UID",
@@ -111,8 +112,9 @@ __all__ = [
     "bwrap_available",
     "cleanup_failures",
     "create_bwrap_sandbox",
+    "denied_syscalls",
     "reap_stale_sandboxes",
-    "seccomp_program",
+    "seccomp_programs",
 ]
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from omniloop.errors import SandboxError
 from omniloop.sandboxes.bwrap.cgroups import CONTROLLERS, own_cgroup_dirs
 from omniloop.sandboxes.bwrap.isolation import NAMESPACE_ARGS, PATH, system_args
-from omniloop.sandboxes.bwrap.seccomp import seccomp_program
+from omniloop.sandboxes.bwrap.seccomp import seccomp_programs
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +44,8 @@ class Host:
     """True when per-sandbox sized tmpfs mounts work (root)."""
     cgroups: dict[str, str] = field(default_factory=dict)
     """Controller → the folder sandbox cgroups are created in."""
-    seccomp: bytes | None = None
-    """The compiled seccomp filter bwrap loads, or None on a machine without one."""
+    seccomp: tuple[bytes, ...] = ()
+    """The compiled seccomp filters bwrap loads; empty on a machine without them."""
 
 
 # --- sized tmpfs mounts --------------------------------------------------------------------------
@@ -140,13 +140,13 @@ def _probe() -> Host:
                 mounts = True
             except OSError as err:
                 logger.warning("cannot mount a tmpfs per sandbox (%s)", err)
-    host = Host(bwrap, prlimit, setpriv, mounts, own_cgroup_dirs(), seccomp_program())
+    host = Host(bwrap, prlimit, setpriv, mounts, own_cgroup_dirs(), seccomp_programs())
     missing = [c for c in CONTROLLERS if c not in host.cgroups]
     if missing:
         logger.warning(
             "cgroup controllers %s are not writable: falling back to rlimits for them", missing
         )
-    if host.seccomp is None:
+    if not host.seccomp:
         logger.warning("no seccomp filter for machine %s", platform.machine())
     return host
 

@@ -45,7 +45,7 @@ from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
 
 _DRAIN_TIMEOUT = 2.0  # seconds to wait for pipes to close after the command ended
 _STATUS_FD = 3  # descriptor numbers inside bwrap
-_SECCOMP_FD = 4
+_SECCOMP_FD = 4  # and up, one per filter
 _EXECVP_FAILED = re.compile(r"^bwrap: execvp .*: ([^:\n]+)$", re.M)
 _RESERVED_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/etc", "/proc", "/dev", "/tmp")
 
@@ -224,12 +224,12 @@ class BwrapSandbox:
             theirs[_STATUS_FD] = status_w
             if data is not None:
                 ours.append(stdin_w)
-            if self._host.seccomp is not None:
+            for target, program in enumerate(self._host.seccomp, start=_SECCOMP_FD):
                 seccomp_r, seccomp_w = pipe()
-                os.write(seccomp_w, self._host.seccomp)  # far below a pipe's buffer
+                os.write(seccomp_w, program)  # far below a pipe's buffer
                 os.close(seccomp_w)
-                theirs[_SECCOMP_FD] = seccomp_r
-                args += ["--seccomp", str(_SECCOMP_FD)]
+                theirs[target] = seccomp_r
+                args += ["--add-seccomp-fd", str(target)]
             pid, pidfd = await self._launcher.spawn([*args, *tail], theirs)
         except BaseException:
             for fd in ours:

@@ -1,116 +1,162 @@
-"""The seccomp filter every command of a bwrap sandbox runs under.
+"""The seccomp filters every command of a bwrap sandbox runs under, built with libseccomp.
 
-bwrap loads it (`--seccomp FD`) after setting up the namespaces, so it binds the command and
-everything it starts. It returns EPERM for each syscall in `DENIED_SYSCALL_TABLE` and kills any
-process that uses a foreign syscall ABI (i386 on x86_64, arm32 on aarch64); on x86_64 the x32
-range returns EPERM.
+bwrap loads them (`--add-seccomp-fd`, one per filter) after setting up the namespaces, so they
+bind the command and everything it starts. The kernel runs every filter on each syscall and
+keeps the most severe verdict:
+
+- the syscall filter, for the host's native ABI: each syscall in `DENIED_SYSCALL_NAMES` returns
+  EPERM, the rest is allowed; a syscall through any other ABI returns EPERM as well (that is
+  what refuses the x32 range on x86_64);
+- the ABI filter: kills the process on a syscall through an ABI other than the native one and,
+  on x86_64, x32 (so i386 on x86_64 and arm32 on aarch64), and allows everything else.
+
+Two filters because libseccomp gives a filter one action for every foreign ABI, and x32 is
+refused with EPERM while the other ABIs are killed. libseccomp resolves the names to each
+architecture's numbers (`denied_syscalls`). Syscall number -1 (no syscall; the kernel answers
+ENOSYS) passes, as libseccomp lets it through for tracers that skip a syscall.
 """
 
 from __future__ import annotations
 
 import errno
 import platform
-import struct
+import tempfile
+from types import ModuleType
+from typing import Any
 
-# Denied syscalls and their numbers per architecture, from the kernel's uapi headers (x86_64:
-# asm/unistd_64.h; aarch64: asm-generic/unistd.h; "-" where the syscall does not exist). Each
-# either needs a capability the sandbox does not have, or is kernel attack surface that a tool
-# command has no use for.
-DENIED_SYSCALL_TABLE = """
-# name                 x86_64  aarch64
-ptrace                    101      117
-process_vm_readv          310      270
-process_vm_writev         311      271
-kcmp                      312      272
-pidfd_getfd               438      438
-keyctl                    250      219
-add_key                   248      217
-request_key               249      218
-bpf                       321      280
-perf_event_open           298      241
-userfaultfd               323      282
-kexec_load                246      104
-kexec_file_load           320      294
-init_module               175      105
-finit_module              313      273
-delete_module             176      106
-mount                     165       40
-umount2                   166       39
-pivot_root                155       41
-swapon                    167      224
-swapoff                   168      225
-reboot                    169      142
-setns                     308      268
-unshare                   272       97
-acct                      163       89
-quotactl                  179       60
-syslog                    103      116
-open_by_handle_at         304      265
-name_to_handle_at         303      264
-iopl                      172        -
-ioperm                    173        -
-settimeofday              164      170
-clock_settime             227      112
-adjtimex                  159      171
-clock_adjtime             305      266
-vhangup                   153       58
-lookup_dcookie            212       18
-io_uring_setup            425      425
-io_uring_enter            426      426
-io_uring_register         427      427
-open_tree                 428      428
-move_mount                429      429
-fsopen                    430      430
-fsconfig                  431      431
-fsmount                   432      432
-fspick                    433      433
-mount_setattr             442      442
-"""
-_MACHINES = ("x86_64", "aarch64")
-DENIED_SYSCALLS: dict[str, dict[str, int]] = {
-    machine: {
-        row.split()[0]: int(row.split()[1 + i])
-        for row in DENIED_SYSCALL_TABLE.strip().splitlines()[1:]
-        if row.split()[1 + i] != "-"
-    }
-    for i, machine in enumerate(_MACHINES)
-}
-"""Machine → syscall name → number: each returns EPERM inside a sandbox."""
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-_X32_SYSCALL_BIT = 0x40000000
+from omniloop.errors import SandboxError
 
-# Classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h).
-_BPF_LD_W_ABS = 0x00 | 0x00 | 0x20
-_BPF_JEQ_K = 0x05 | 0x10 | 0x00
-_BPF_JGE_K = 0x05 | 0x30 | 0x00
-_BPF_RET_K = 0x06 | 0x00
-_SECCOMP_RET_KILL_PROCESS = 0x80000000
-_SECCOMP_RET_ERRNO = 0x00050000
-_SECCOMP_RET_ALLOW = 0x7FFF0000
+DENIED_SYSCALL_NAMES = (
+    # Tracing and reading other processes.
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "kcmp",
+    "pidfd_getfd",
+    # The kernel keyring.
+    "keyctl",
+    "add_key",
+    "request_key",
+    # Kernel attack surface a tool command has no use for.
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "lookup_dcookie",
+    "vhangup",
+    # Kernel code, swap, power.
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "swapon",
+    "swapoff",
+    "reboot",
+    # Mounts and namespaces.
+    "mount",
+    "umount2",
+    "pivot_root",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "setns",
+    "unshare",
+    # Host-wide state.
+    "acct",
+    "quotactl",
+    "syslog",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "iopl",
+    "ioperm",
+    "settimeofday",
+    "clock_settime",
+    "adjtimex",
+    "clock_adjtime",
+)
+"""Syscalls that return EPERM inside a sandbox (where the machine has them). Each either needs a
+capability the sandbox does not have, or is kernel attack surface that a tool command has no
+use for."""
+
+_ARCHES = {"x86_64": "X86_64", "aarch64": "AARCH64"}
+"""Machines with filters → libseccomp's name for their native ABI."""
+_TOLERATED_ABIS = {"x86_64": ("X32",), "aarch64": ()}
+"""ABIs besides the native one that the ABI filter lets through (the syscall filter refuses
+them with EPERM)."""
 
 
-def seccomp_program(machine: str | None = None) -> bytes | None:
-    """The compiled seccomp filter bwrap loads (`--seccomp FD`), or None for an unknown machine.
+def _libseccomp() -> ModuleType:
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError, OSError) as err:  # RuntimeError: no libseccomp.so
+        raise SandboxError(
+            f"cannot build the sandbox's seccomp filter: {err}; install libseccomp "
+            "(Debian: apt-get install libseccomp2) and the pyseccomp package"
+        ) from err
+    return pyseccomp
 
-    Layout: kill the process unless the syscall ABI is the host's native one; on x86_64 deny the
-    x32 range; deny each listed syscall with EPERM; allow the rest.
-    """
+
+def _arch(seccomp: Any, machine: str) -> int:
+    return int(getattr(seccomp.Arch, _ARCHES[machine]))
+
+
+def _filter(seccomp: Any, machine: str, bad_abi_action: int, abis: tuple[str, ...]) -> Any:
+    """An allow-by-default libseccomp filter for `machine` and `abis`, `bad_abi_action` for
+    syscalls through any other ABI."""
+    f = seccomp.SyscallFilter(seccomp.ALLOW)
+    f.remove_arch(seccomp.Arch.NATIVE)  # the filter is for `machine`, not necessarily this host
+    f.add_arch(_arch(seccomp, machine))
+    for abi in abis:
+        f.add_arch(getattr(seccomp.Arch, abi))
+    f.set_attr(seccomp.Attr.ACT_BADARCH, bad_abi_action)
+    return f
+
+
+def _export(f: Any) -> bytes:
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def denied_syscalls(machine: str | None = None) -> dict[str, int]:
+    """Syscall name → number on `machine` (default: this host) of each denied syscall the
+    machine has, as libseccomp resolves them; empty for a machine without filters."""
     machine = machine or platform.machine()
-    table = DENIED_SYSCALLS.get(machine)
-    if table is None:
-        return None
-    numbers = sorted(set(table.values()))
-    n = len(numbers)
-    insns: list[tuple[int, int, int, int]] = [
-        (_BPF_LD_W_ABS, 0, 0, 4),  # seccomp_data.arch
-        (_BPF_JEQ_K, 1, 0, _AUDIT_ARCH[machine]),
-        (_BPF_RET_K, 0, 0, _SECCOMP_RET_KILL_PROCESS),
-        (_BPF_LD_W_ABS, 0, 0, 0),  # seccomp_data.nr
-    ]
-    if machine == "x86_64":
-        insns.append((_BPF_JGE_K, n + 1, 0, _X32_SYSCALL_BIT))  # over the n checks and ALLOW
-    # From check i, DENY lies past the remaining n-1-i checks and ALLOW.
-    insns.extend((_BPF_JEQ_K, n - i, 0, nr) for i, nr in enumerate(numbers))
-    insns.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW))
-    insns.append((_BPF_RET_K, 0, 0, _SECCOMP_RET_ERRNO | errno.EPERM))
-    return b"".join(struct.pack("=HBBI", *insn) for insn in insns)
+    if machine not in _ARCHES:
+        return {}
+    seccomp = _libseccomp()
+    arch = _arch(seccomp, machine)
+    numbers = {name: int(seccomp.resolve_syscall(arch, name)) for name in DENIED_SYSCALL_NAMES}
+    return {name: nr for name, nr in numbers.items() if nr >= 0}  # < 0: not on this machine
+
+
+def seccomp_programs(machine: str | None = None) -> tuple[bytes, ...]:
+    """The compiled filters (classic BPF, as bwrap's `--add-seccomp-fd` reads them) for
+    `machine` (default: this host): the syscall filter, then the ABI filter. Empty for a
+    machine without filters; `SandboxError` when libseccomp is missing or does not know a
+    denied syscall."""
+    machine = machine or platform.machine()
+    if machine not in _ARCHES:
+        return ()
+    seccomp = _libseccomp()
+    syscalls = _filter(seccomp, machine, seccomp.ERRNO(errno.EPERM), ())
+    for name in DENIED_SYSCALL_NAMES:
+        try:
+            # By name: libseccomp translates it to the filter's machine, and skips a syscall
+            # that machine does not have (iopl and ioperm on aarch64).
+            syscalls.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except OSError as err:
+            raise SandboxError(
+                f"libseccomp cannot deny syscall {name!r} on {machine} ({err}): it is too old "
+                "for this filter; install libseccomp2 >= 2.5.4"
+            ) from err
+    abis = _filter(seccomp, machine, seccomp.KILL_PROCESS, _TOLERATED_ABIS[machine])
+    return _export(syscalls), _export(abis)

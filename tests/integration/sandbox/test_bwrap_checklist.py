@@ -23,9 +23,9 @@ import pytest
 
 from omniloop.errors import SandboxError
 from omniloop.sandboxes.bwrap import (
-    DENIED_SYSCALLS,
     BwrapSandbox,
     create_bwrap_sandbox,
+    denied_syscalls,
     reap_stale_sandboxes,
 )
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
@@ -380,7 +380,7 @@ async def test_d23_capabilities_are_dropped(sandbox: BwrapSandbox) -> None:
 
 
 async def test_d24_seccomp_denies_keyctl_bpf_and_ptrace_of_pid_1(sandbox: BwrapSandbox) -> None:
-    numbers = DENIED_SYSCALLS[platform.machine()]
+    numbers = denied_syscalls()
     script = (
         "import ctypes, errno\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
