@@ -69,6 +69,11 @@ class ToolCallRecord(BaseModel):
     `tool_timeout`); None on success."""
     duration: float = 0.0
     """Seconds spent running the tool."""
+    sanitized_chars: int = 0
+    """Characters of the output replaced by U+FFFD because no tokenizer or store takes them
+    (lone surrogates, e.g. from undecodable bytes or file names, and NUL)."""
+    truncated_chars: int = 0
+    """Characters cut from the middle of an output longer than the toolset's cap."""
 
 
 class TurnRecord(BaseModel):

@@ -3,8 +3,10 @@
 Each turn: sample; parse Hermes/Qwen `<tool_call>` blocks; if there are none, the turn is the
 answer and the episode ends; otherwise run the calls in order in the episode's sandbox and
 append their results as `tool` messages. Malformed calls, unknown tools and bad arguments come
-back to the model as error messages (and are counted); a broken sandbox ends the episode as
-`sandbox_error` (raised by the toolset, recorded by the rollout).
+back to the model as error messages (and are counted); odd output (undecodable text, NUL,
+bytes, non-text values, floods) is rendered, cleaned and capped by the toolset (and counted);
+a broken sandbox ends the episode as `sandbox_error` (raised by the toolset, recorded by the
+rollout).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 from omniloop.agents.base import EpisodeEnd, Session, Task
 from omniloop.agents.chat import Message
-from omniloop.tools import Tool, ToolContext, Toolset, parse_tool_calls
+from omniloop.tools import DEFAULT_MAX_OUTPUT_CHARS, Tool, ToolContext, Toolset, parse_tool_calls
 
 
 class ToolAgent:
@@ -29,6 +31,7 @@ class ToolAgent:
         prefill_every_turn: bool = False,
         max_tool_timeouts: int = 2,
         tool_timeout: float | None = 300.0,
+        max_tool_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
     ) -> None:
         """
         Args:
@@ -40,8 +43,12 @@ class ToolAgent:
             prefill_every_turn: Prefill every turn, not only the first.
             max_tool_timeouts: End the episode as `tool_timeout` after this many timed-out calls.
             tool_timeout: Backstop seconds per tool call when a tool sets none.
+            max_tool_output_chars: Characters of one tool result the model is shown; longer
+                results keep their head and tail around a truncation marker.
         """
-        self.toolset = Toolset(tools, default_timeout=tool_timeout)
+        self.toolset = Toolset(
+            tools, default_timeout=tool_timeout, max_output_chars=max_tool_output_chars
+        )
         self.tool_schemas: list[dict[str, Any]] = self.toolset.schemas()
         self.system_prompt = system_prompt
         self.prefill = prefill

@@ -2,14 +2,17 @@
 and the built-in sandbox tools."""
 
 from omniloop.tools.base import (
+    DEFAULT_MAX_OUTPUT_CHARS,
     DEFAULT_TOOL_TIMEOUT,
     FunctionTool,
+    SanitizedOutput,
     Tool,
     ToolArgumentError,
     ToolContext,
     ToolErrorCode,
     Toolset,
     render_result,
+    sanitize_output,
     tool,
     tool_call_metrics,
 )
@@ -24,10 +27,12 @@ from omniloop.tools.parser import (
 
 __all__ = [
     "BUILTIN_TOOLS",
+    "DEFAULT_MAX_OUTPUT_CHARS",
     "DEFAULT_TOOL_TIMEOUT",
     "FunctionTool",
     "ParseResult",
     "ParsedCall",
+    "SanitizedOutput",
     "Tool",
     "ToolArgumentError",
     "ToolContext",
@@ -40,6 +45,7 @@ __all__ = [
     "python",
     "read_file",
     "render_result",
+    "sanitize_output",
     "tool",
     "tool_call_metrics",
     "write_file",

@@ -12,6 +12,10 @@ is not part of the schema.
 model can read plus an error code on the `ToolCallRecord`. Only three things propagate:
 cancellation, `SandboxError` (the sandbox itself is broken: the rollout records the episode as
 `sandbox_error` instead of training on it), and errors that are not `Exception`s.
+
+Whatever a tool returns is data too: `render_result` turns any return value into text, and
+`sanitize_output` makes every observation text the tokenizer and the stores accept (UTF-8
+without NUL, at most `max_output_chars` characters), counting what it replaced or cut.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import types
 import typing
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import (
     Annotated,
     Any,
@@ -67,12 +72,32 @@ METRIC_KEYS: dict[str, str] = {
 }
 """Metric key counted for each error code; `tool_calls/total` and `tool_calls/ok` count all."""
 
+SANITIZED_METRIC = "tool_calls/sanitized_chars"
+"""Metric key: characters of tool observations replaced by U+FFFD (see `sanitize_output`)."""
+
+TRUNCATED_METRIC = "tool_calls/truncated"
+"""Metric key: tool observations cut to `max_output_chars` (see `sanitize_output`)."""
+
 DEFAULT_TOOL_TIMEOUT = 300.0
 """Seconds a tool may run when neither the tool nor the toolset sets a timeout. Sandbox tools
 are normally stopped sooner by the sandbox's own per-command limit; this is the backstop."""
 
+DEFAULT_MAX_OUTPUT_CHARS = 256 * 1024
+"""Characters of one tool observation kept when the toolset sets no other cap. Above what the
+sandbox's default output cap lets through (64 KiB each of stdout and stderr), so sandbox output
+is not cut twice; it bounds what a function tool returning a huge string costs to tokenize."""
+
+OUTPUT_TRUNCATION_MARKER = "\n[truncated {n} characters]\n"
+"""Placed between the head and the tail of a tool observation longer than the cap."""
+
 _MAX_SHOWN_INPUT = 120
 """Longest repr of a bad argument value quoted back to the model."""
+
+# Lone surrogates cannot be encoded as UTF-8 (the tokenizer raises TypeError on them); NUL is
+# valid UTF-8 but PostgreSQL text and jsonb cannot hold it. Other control characters are kept:
+# they encode and tokenize fine, and real command output uses them (ANSI colours, `\r`
+# progress bars), so the model is shown what the tool printed.
+_UNSAFE_CHARS = re.compile("[\x00\ud800-\udfff]")
 
 
 class ToolContext:
@@ -135,7 +160,11 @@ class Tool(Protocol):
         ...
 
     async def call(self, arguments: Mapping[str, Any], ctx: ToolContext) -> str:
-        """Validate the arguments, run the tool, and return what the model is shown."""
+        """Validate the arguments, run the tool, and return what the model is shown.
+
+        A return value that is not a `str` is rendered by `render_result` (JSON, bytes
+        decoded); whatever text comes back is passed through `sanitize_output`.
+        """
         ...
 
 
@@ -394,21 +423,82 @@ class FunctionTool(Generic[P, R]):
 
 
 def render_result(value: Any) -> str:
-    """What the model sees for a tool's return value.
+    """What the model sees for a tool's return value, before `sanitize_output`.
 
-    A `str` as it is, an `ExecResult` as its `.text()`, anything else as JSON (so `None` is
-    `null`). A value JSON cannot represent raises `ToolError`.
+    A `str` as it is; an `ExecResult` as its `.text()`; `bytes`, `bytearray` or `memoryview`
+    decoded as UTF-8 with each invalid byte kept as a lone surrogate (so that `sanitize_output`
+    replaces and counts it); anything else as compact JSON (`None` is `null`, `1.5` is `1.5`,
+    dicts, lists, tuples, sets, pydantic models and dataclasses as JSON values). Strings and
+    bytes nested in JSON values are kept the same way. A value JSON cannot represent raises
+    `ToolError`. The result may hold lone surrogates and any length: `Toolset.execute` cleans
+    and caps it.
     """
     if isinstance(value, str):
         return value
     if isinstance(value, ExecResult):
         return value.text()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _decode_bytes(value)
     try:
         return pydantic_core.to_json(value).decode()
     except pydantic_core.PydanticSerializationError as err:
+        problem = str(err)
+    # pydantic refuses invalid UTF-8 bytes and lone surrogates inside a value; the standard
+    # library's encoder keeps them as text (made safe by `sanitize_output`).
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=_jsonable)
+    except (TypeError, ValueError):
         raise ToolError(
-            f"the tool returned a {type(value).__name__}, which cannot be shown as text: {err}"
+            f"the tool returned a {type(value).__name__}, which cannot be shown as text: {problem}"
         ) from None
+
+
+def _decode_bytes(data: bytes | bytearray | memoryview) -> str:
+    return bytes(data).decode("utf-8", errors="surrogateescape")
+
+
+def _jsonable(value: Any) -> Any:
+    """`json.dumps` hook for what the standard encoder does not know."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _decode_bytes(value)
+    try:
+        return pydantic_core.to_jsonable_python(value)
+    except Exception as err:
+        raise TypeError(str(err)) from None
+
+
+@dataclass(frozen=True)
+class SanitizedOutput:
+    """A tool observation made safe for the model, with what it took."""
+
+    text: str
+    """Valid UTF-8 without NUL, at most the cap plus the truncation marker."""
+    replaced: int
+    """Characters replaced by U+FFFD: lone surrogates and NUL."""
+    truncated: int
+    """Characters cut from the middle (0 when the text fit)."""
+
+
+def sanitize_output(text: str, max_chars: int = DEFAULT_MAX_OUTPUT_CHARS) -> SanitizedOutput:
+    """Make `text` an observation every tokenizer and store accepts.
+
+    Text longer than `max_chars` characters keeps its first `max_chars // 2` and last
+    `max_chars - max_chars // 2` characters with `OUTPUT_TRUNCATION_MARKER` between them (cut
+    first, so a huge output is never scanned whole). Then each lone surrogate (what
+    `os.listdir` gives for a file name that is not UTF-8, or `render_result` for an invalid
+    byte) and each NUL becomes U+FFFD. Every other character is kept, control characters
+    included.
+    """
+    if max_chars < 2:
+        raise ValueError(f"max_chars must be at least 2, got {max_chars}")
+    truncated = max(0, len(text) - max_chars)
+    if truncated:
+        head = max_chars // 2
+        text = (
+            text[:head] + OUTPUT_TRUNCATION_MARKER.format(n=truncated) + text[-(max_chars - head) :]
+        )
+    text, replaced = _UNSAFE_CHARS.subn("\ufffd", text)
+    return SanitizedOutput(text=text, replaced=replaced, truncated=truncated)
 
 
 @overload
@@ -455,7 +545,9 @@ def _error_text(detail: str) -> str:
 
 
 def tool_call_metrics(records: Iterable[ToolCallRecord]) -> dict[str, float]:
-    """Counters for a trajectory's `meta.metrics`: total, ok, and one key per error code."""
+    """Counters for a trajectory's `meta.metrics`: total, ok, one key per error code, the
+    characters `sanitize_output` replaced (`tool_calls/sanitized_chars`) and the outputs it cut
+    (`tool_calls/truncated`). A key whose count is zero is left out."""
     counts: Counter[str] = Counter()
     for record in records:
         _count(counts, record)
@@ -468,6 +560,10 @@ def _count(counts: Counter[str], record: ToolCallRecord) -> None:
         counts["tool_calls/ok"] += 1
     else:
         counts[METRIC_KEYS.get(record.error, f"tool_calls/{record.error}")] += 1
+    if record.sanitized_chars:
+        counts[SANITIZED_METRIC] += record.sanitized_chars
+    if record.truncated_chars:
+        counts[TRUNCATED_METRIC] += 1
 
 
 class Toolset:
@@ -478,12 +574,23 @@ class Toolset:
     `parse_error`, `unknown_tool`, `invalid_arguments`, `tool_error`, `tool_timeout` (None on
     success). It does raise `asyncio.CancelledError`, `SandboxError` (the sandbox broke: the
     episode is an infrastructure failure, not a model mistake) and non-`Exception` errors.
-    `metrics` counts every executed call, under the keys of `tool_call_metrics`.
+    Every `output`, error messages included, has passed `sanitize_output` with
+    `max_output_chars`; the record counts what was replaced and cut. `metrics` counts every
+    executed call, under the keys of `tool_call_metrics`.
     """
 
     def __init__(
-        self, tools: Iterable[Tool], *, default_timeout: float | None = DEFAULT_TOOL_TIMEOUT
+        self,
+        tools: Iterable[Tool],
+        *,
+        default_timeout: float | None = DEFAULT_TOOL_TIMEOUT,
+        max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
     ) -> None:
+        if max_output_chars < 2:
+            raise ValueError(
+                f"max_output_chars must be at least 2, got {max_output_chars}; it is how many "
+                "characters of a tool's output the model is shown"
+            )
         self._tools: dict[str, Tool] = {}
         for t in tools:
             if not isinstance(t, Tool):
@@ -492,6 +599,7 @@ class Toolset:
                 raise ValueError(f"two tools are named {t.name!r}; tool names must be unique")
             self._tools[t.name] = t
         self.default_timeout = default_timeout
+        self.max_output_chars = max_output_chars
         self.metrics: Counter[str] = Counter()
 
     def __contains__(self, name: object) -> bool:
@@ -531,14 +639,17 @@ class Toolset:
             output = _error_text(f"unknown tool {call.name!r}. Available tools: {available}.")
         else:
             code, output = await self._run(self._tools[call.name], call, ctx)
+        clean = sanitize_output(output, self.max_output_chars)
         record = ToolCallRecord(
             turn=turn,
             name=call.name,
             arguments=call.arguments,
             raw=call.raw,
-            output=output,
+            output=clean.text,
             error=code,
             duration=time.monotonic() - started,
+            sanitized_chars=clean.replaced,
+            truncated_chars=clean.truncated,
         )
         _count(self.metrics, record)
         return record
@@ -563,6 +674,10 @@ class Toolset:
             # apart from the tool running out of time.
             async with asyncio.timeout(timeout) as scope:
                 output = await t.call(arguments, ctx)
+            if not isinstance(output, str):
+                # Outside the `Tool` contract (an MCP adapter returning content parts, say),
+                # but still data: shown the way a `@tool` function's return value would be.
+                output = render_result(output)
         except ToolArgumentError as err:
             return "invalid_arguments", _error_text(str(err))
         except SandboxError:
@@ -578,10 +693,6 @@ class Toolset:
         except Exception as err:
             logger.info("tool %r raised", t.name, exc_info=True)
             return "tool_error", _error_text(f"tool {t.name!r} failed: {_describe_exception(err)}")
-        if not isinstance(output, str):
-            return "tool_error", _error_text(
-                f"tool {t.name!r} returned {type(output).__name__}, not text"
-            )
         return None, output
 
 
