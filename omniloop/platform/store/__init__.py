@@ -26,6 +26,7 @@ from omniloop.platform.store.records import (
     Page,
     RunRecord,
     RunStatus,
+    RunSummary,
 )
 from omniloop.platform.store.store import Store, hash_episode_request
 
@@ -46,6 +47,7 @@ __all__ = [
     "Page",
     "RunRecord",
     "RunStatus",
+    "RunSummary",
     "SchemaNotReady",
     "Store",
     "StoreError",

@@ -22,8 +22,9 @@ from omniloop.platform.store.records import (
     Page,
     RunRecord,
     RunStatus,
+    RunSummary,
 )
-from omniloop.platform.store.store import Store
+from omniloop.platform.store.store import TREND_POINTS, Store
 from omniloop.trajectory import Trajectory
 
 
@@ -72,6 +73,11 @@ class AsyncStore:
         return await asyncio.to_thread(
             self.store.list_runs, status=status, cursor=cursor, limit=limit
         )
+
+    async def run_summaries(
+        self, run_ids: Sequence[str], *, trend_points: int = TREND_POINTS
+    ) -> dict[str, RunSummary]:
+        return await asyncio.to_thread(self.store.run_summaries, run_ids, trend_points=trend_points)
 
     async def update_run_status(self, run_id: str, status: RunStatus) -> RunRecord:
         return await asyncio.to_thread(self.store.update_run_status, run_id, status)

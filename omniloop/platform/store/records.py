@@ -98,6 +98,30 @@ class MetricPoint(_Record):
     """When the value was (last) recorded."""
 
 
+class RunSummary(_Record):
+    """A run at a glance (the dashboard's runs list): progress, reward trend, failures.
+
+    Progress and reward follow one metric, `reward/mean` (`SUMMARY_METRIC` in `store.py`),
+    which a training run records at every step it trains (`step_metrics`).
+    """
+
+    run_id: str
+    steps_done: int
+    """The newest step with a `reward/mean` value, plus one (steps count from 0); 0 before the
+    first. A resumed run that logs its last steps again does not count them twice."""
+    latest_reward: float | None
+    """`reward/mean` at the newest step (NaN where it was recorded as NaN, e.g. a step whose
+    episodes all failed); None before the first step."""
+    reward_trend: list[MetricPoint]
+    """`reward/mean` at up to `trend_points` steps spread evenly from the first recorded step to
+    the newest, both included, in step order (every step when there are no more than that).
+    Sampled, not averaged: each point is a recorded value."""
+    infra_errors: int
+    """Episodes of the run that ended in an infrastructure failure (stop reason
+    `sandbox_error`, `reward_error`, `engine_error` or `cancelled`: those training leaves
+    out, and `episodes/errors` counts)."""
+
+
 class Page(BaseModel, Generic[T]):
     """One page of a keyset-paginated listing."""
 

@@ -33,7 +33,7 @@ from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from pydantic import ValidationError
-from sqlalchemy import Connection, CursorResult, Table, func, insert, select, text
+from sqlalchemy import Connection, CursorResult, Table, and_, func, insert, or_, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
@@ -74,6 +74,7 @@ from omniloop.platform.store.records import (
     Page,
     RunRecord,
     RunStatus,
+    RunSummary,
 )
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory, TrajectoryMeta
 
@@ -88,6 +89,12 @@ MAX_PAGE = 1000
 """Largest `limit` of one page of runs or episodes."""
 MAX_EVENTS = 10_000
 """Largest `limit` of one `list_events` call."""
+SUMMARY_METRIC = "reward/mean"
+"""The metric a run summary follows for progress and reward (see `RunSummary`)."""
+TREND_POINTS = 32
+"""Default number of points in a run summary's reward trend (a sparkline's worth)."""
+MAX_TREND_POINTS = 1000
+"""Largest `trend_points` of one `run_summaries` call."""
 
 # Event appends on PostgreSQL hold this transaction-scoped advisory lock from taking an id to
 # committing. Without it a transaction that took id 7 could commit after one that took id 8,
@@ -218,6 +225,15 @@ def _outcome(trajectory: Trajectory) -> dict[str, Any]:
         "num_turns": len(meta.turns),
         "response_length": trajectory.response_length,
     }
+
+
+def _trend_steps(first: int, last: int, points: int) -> list[int] | None:
+    """`points` steps spread evenly from `first` to `last`, both included; None when the
+    range holds no more steps than that (then all of them are read)."""
+    if last - first < points:
+        return None
+    span = last - first
+    return sorted({first + (span * i) // (points - 1) for i in range(points)})
 
 
 def _run_record(row: RunRow) -> RunRecord:
@@ -506,6 +522,85 @@ class Store:
         return Page[RunRecord](
             items=[_run_record(r) for r in rows[:limit]], next_cursor=next_cursor
         )
+
+    def run_summaries(
+        self, run_ids: Sequence[str], *, trend_points: int = TREND_POINTS
+    ) -> dict[str, RunSummary]:
+        """Run id → `RunSummary` for the runs of `run_ids` that exist (others are left out).
+
+        Two statements whatever the runs' sizes, each a handful of index lookups per run: the
+        first and newest step and the newest value of `SUMMARY_METRIC` are the ends of an
+        index range (metrics' primary key), the error count reads only the matching entries of
+        the episodes' stop-reason index, and the trend reads `trend_points` keys per run. A
+        page of runs therefore costs the same with ten steps each as with a million.
+        """
+        if isinstance(run_ids, str):
+            raise InvalidArgument("run_ids must be a list of run ids, not one string")
+        ids = list(dict.fromkeys(run_ids))
+        if len(ids) > MAX_PAGE:
+            raise InvalidArgument(f"at most {MAX_PAGE} run ids at once, got {len(ids)}")
+        if not 2 <= trend_points <= MAX_TREND_POINTS:
+            raise InvalidArgument(
+                f"trend_points must be 2 to {MAX_TREND_POINTS}, got {trend_points!r}"
+            )
+        if not ids:
+            return {}
+        metric = (MetricRow.run_id == RunRow.id) & (MetricRow.name == SUMMARY_METRIC)
+
+        def end(column: Any, newest: bool) -> Any:
+            order = MetricRow.step.desc() if newest else MetricRow.step.asc()
+            return select(column).where(metric).order_by(order).limit(1).scalar_subquery()
+
+        errors = (
+            select(func.count())
+            .select_from(EpisodeRow)
+            .where(
+                EpisodeRow.run_id == RunRow.id,
+                EpisodeRow.stop_reason.in_(sorted(INFRA_STOP_REASONS)),
+            )
+            .scalar_subquery()
+        )
+        ends = select(
+            RunRow.id,
+            end(MetricRow.step, newest=False),
+            end(MetricRow.step, newest=True),
+            end(MetricRow.value, newest=True),
+            errors,
+        ).where(RunRow.id.in_(ids))
+        with self._reading() as session:
+            found = list(session.execute(ends))
+            wanted = []
+            for run_id, first, last, _, _ in found:
+                if last is None:
+                    continue
+                steps = _trend_steps(first, last, trend_points)
+                wanted.append(
+                    and_(
+                        MetricRow.run_id == run_id,
+                        MetricRow.name == SUMMARY_METRIC,
+                        MetricRow.step.between(first, last)
+                        if steps is None
+                        else MetricRow.step.in_(steps),
+                    )
+                )
+            trends: dict[str, list[MetricPoint]] = {}
+            if wanted:
+                points = select(
+                    MetricRow.run_id, MetricRow.step, MetricRow.value, MetricRow.recorded_at
+                ).where(or_(*wanted))
+                for run_id, step, value, recorded_at in session.execute(points):
+                    point = MetricPoint.model_construct(step=step, value=value, time=recorded_at)
+                    trends.setdefault(run_id, []).append(point)
+        return {
+            run_id: RunSummary(
+                run_id=run_id,
+                steps_done=0 if last is None else last + 1,
+                latest_reward=None if last is None else value,
+                reward_trend=sorted(trends.get(run_id, []), key=lambda p: p.step),
+                infra_errors=int(count),
+            )
+            for run_id, _, last, value, count in found
+        }
 
     def update_run_status(self, run_id: str, status: RunStatus) -> RunRecord:
         """Set a run's status (any status may follow any other: a finished run can resume).
