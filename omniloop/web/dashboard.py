@@ -107,7 +107,8 @@ def token_pieces(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str
 
 
 def tokens_router() -> APIRouter:
-    """`GET /v1/tokens/{episode_id}` (read-only, like every GET of the API: no token needed)."""
+    """`GET /v1/tokens/{episode_id}`: a read under `/v1`, guarded like every other one
+    (`auth.py`: beyond loopback it needs the token)."""
     router = APIRouter(prefix="/v1", tags=["dashboard"])
 
     @router.get(

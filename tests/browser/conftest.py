@@ -1,13 +1,15 @@
-"""Fixtures for the dashboard tests: `omniloop serve` on loopback and headless Chromium.
+"""Fixtures for the dashboard tests: `omniloop serve` and headless Chromium.
 
 Every test here gets the `browser` marker. The server is the real one (`omniloop serve`, so
 the dashboard is mounted the way users get it) on a SQLite file, with the session's tiny
-engine and bubblewrap sandboxes; tests seed runs straight into the same database. Screenshots
-go to `test-artifacts/browser/`.
+engine and bubblewrap sandboxes; tests seed runs straight into the same database. Two servers:
+`dashboard` on loopback without a token, and `guarded_dashboard` bound beyond loopback
+(`--host 0.0.0.0`) with a token. Screenshots go to `test-artifacts/browser/`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -54,9 +56,15 @@ class Dashboard:
     url: str
     db_url: str
     log: Path
+    token: str | None = None
+    """The server's API token; None for the open loopback server."""
 
     def store(self) -> Store:
         return Store(self.db_url)
+
+    def headers(self) -> dict[str, str]:
+        """What a REST client sends: the token when the server has one."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -69,18 +77,25 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def dashboard(
-    tiny_engine_url: str, tmp_path_factory: pytest.TempPathFactory
+@contextlib.contextmanager
+def _serve(
+    folder: Path,
+    engine_url: str,
+    *,
+    host: str | None = None,
+    token: str | None = None,
+    concurrency: int = 1,
 ) -> Iterator[Dashboard]:
-    folder = tmp_path_factory.mktemp("dashboard")
+    """`omniloop serve` on a SQLite file in `folder`, bound to `host` (loopback when None),
+    with `token` as its $OMNILOOP_API_TOKEN, running `concurrency` episodes at once (0: they
+    only queue); stopped afterwards."""
     db_url = f"sqlite:///{folder / 'api.db'}"
     agents = HERE / "agents.py"
     config: dict[str, Any] = {
         "db_url": db_url,
-        "concurrency": 1,
+        "concurrency": concurrency,
         "poll_interval": 0.2,
-        "engine": {"url": tiny_engine_url, "model": "tiny"},
+        "engine": {"url": engine_url, "model": "tiny"},
         "sandbox": {"backend": "bwrap", "pool_size": 1, "limits": {"timeout": 10}},
         "agents": {
             "calc": {
@@ -95,8 +110,12 @@ def dashboard(
     config_path.write_text(yaml.safe_dump(config))
     log = folder / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "OMNILOOP_API_TOKEN"}
+    if token is not None:
+        env["OMNILOOP_API_TOKEN"] = token
     exe = Path(sys.executable).parent / "omniloop"
     cmd = [str(exe), "serve", "--config", str(config_path), "--port", "0", "--log-level", "warning"]
+    if host is not None:
+        cmd += ["--host", host]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -112,13 +131,41 @@ def dashboard(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"omniloop serve not ready after 120 s:\n{log.read_text()}")
             time.sleep(0.1)
+        # A server on every interface is reached here through loopback.
+        url = url.replace("://0.0.0.0:", "://127.0.0.1:")
         while httpx.get(f"{url}/readyz", timeout=5).status_code != 200:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"omniloop serve not ready after 120 s:\n{log.read_text()}")
             time.sleep(0.2)
-        yield Dashboard(url=url, db_url=db_url, log=log)
+        yield Dashboard(url=url, db_url=db_url, log=log, token=token)
     finally:
         _stop(proc)
+
+
+@pytest.fixture(scope="session")
+def dashboard(
+    tiny_engine_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Dashboard]:
+    """The dashboard on loopback without a token (the API is open)."""
+    with _serve(tmp_path_factory.mktemp("dashboard"), tiny_engine_url) as served:
+        yield served
+
+
+GUARDED_TOKEN = "browser-test-token-0123456789abcdef"
+
+
+@pytest.fixture(scope="session")
+def guarded_dashboard(
+    tiny_engine_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Dashboard]:
+    """The dashboard of a server bound beyond loopback (`--host 0.0.0.0`), so with a token
+    that every `/v1` request needs. Its worker is paused: submitted episodes stay queued
+    until a test cancels them."""
+    folder = tmp_path_factory.mktemp("guarded")
+    with _serve(
+        folder, tiny_engine_url, host="0.0.0.0", token=GUARDED_TOKEN, concurrency=0
+    ) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

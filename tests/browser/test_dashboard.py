@@ -2,7 +2,8 @@
 
 An episode submitted over REST is watched to completion on the page and inspected in the
 trajectory viewer; a seeded run's page shows grouped charts that update live and an episode
-browser that filters and pages through the API.
+browser that filters and pages through the API; the runs list shows each run's progress,
+reward trend, errors and duration; charts never mix units on one axis.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from typing import Any
 
 import httpx
 from playwright.sync_api import Page, expect
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
 from omniloop.inference.models import load_tokenizer
-from omniloop.platform.store.models import EpisodeRow
+from omniloop.platform.store.models import EpisodeRow, RunRow
 from omniloop.web.dashboard import token_pieces
 
 COMPLETE_MS = 60_000
@@ -227,3 +228,127 @@ def test_tokens_endpoint_pieces_join_to_the_text(dashboard: Any) -> None:
     missing = httpx.get(f"{dashboard.url}/v1/tokens/no-such-episode", timeout=30)
     assert missing.status_code == 404
     assert missing.headers["content-type"] == "application/problem+json"
+
+
+def _episode_row(run_id: str, n: int, stop_reason: str, at: datetime) -> dict[str, Any]:
+    failed = stop_reason not in ("stop", "length")
+    return {
+        "id": f"{run_id}-ep{n:04d}",
+        "run_id": run_id,
+        "status": "failed" if failed else "completed",
+        "task": {"id": f"task-{n}", "prompt": "?"},
+        "agent": "calc",
+        "sampling": {},
+        "reward": None if failed else 1.0,
+        "reward_info": {},
+        "stop_reason": stop_reason,
+        "timings": {},
+        "created_at": at,
+        "updated_at": at,
+    }
+
+
+def test_runs_list_shows_progress_reward_trend_errors_and_duration(
+    page: Page, dashboard: Any, screenshot: Any
+) -> None:
+    run_id = "glance"
+    finished = datetime.now(UTC) - timedelta(minutes=5)
+    started = finished - timedelta(hours=1, minutes=2, seconds=3)
+    # Seven episodes ended in an infrastructure failure; the seven others did not.
+    reasons = ["stop"] * 5 + ["length"] * 2 + ["sandbox_error"] * 3 + ["engine_error"]
+    reasons += ["reward_error"] * 2 + ["cancelled"]
+    store = dashboard.store()
+    try:
+        store.create_run("at a glance", {"steps": 40}, run_id=run_id, status="completed")
+        for step in range(30):
+            store.record_metrics(run_id, step, {"reward/mean": 0.2 + step / 50, "kl": 0.1})
+        rows = [_episode_row(run_id, n, r, started) for n, r in enumerate(reasons)]
+        with Session(store.engine) as session, session.begin():
+            session.execute(insert(EpisodeRow), rows)
+            session.execute(
+                update(RunRow)
+                .where(RunRow.id == run_id)
+                .values(created_at=started, updated_at=finished, finished_at=finished)
+            )
+    finally:
+        store.close()
+
+    page.goto(f"{dashboard.url}/#/")
+    expect(page.locator("[data-runs] thead th")).to_have_text(
+        ["run", "id", "status", "steps", "reward", "errors", "duration", "created"]
+    )
+    row = page.locator(f'tr[data-run="{run_id}"]')
+    expect(row).to_contain_text("at a glance")
+    expect(row.locator('[data-col="steps"]')).to_have_text("30 / 40")
+    expect(row.locator('[data-col="reward"] .reward-now')).to_have_text("0.78")
+    spark = row.locator('[data-col="reward"] svg.spark')
+    expect(spark).to_have_attribute("data-points", "30")  # at most 32: every step
+    expect(spark.locator("path")).to_have_attribute("d", re.compile(r"^M[\d.,]+(L[\d.,]+){29}$"))
+    expect(row.locator('[data-col="errors"]')).to_have_text("7")
+    expect(row.locator('[data-col="duration"]')).to_have_text("1 h 02 m")
+    # What the page shows is what the API says.
+    run = httpx.get(f"{dashboard.url}/v1/runs/{run_id}", timeout=30).json()
+    assert (run["steps_done"], run["steps_total"], run["infra_errors"]) == (30, 40, 7)
+    assert run["duration_seconds"] == 3723
+    assert [p["step"] for p in run["reward_trend"]] == list(range(30))
+    # A run without a planned number of steps shows the steps it has.
+    expect(page.locator('tr[data-run="seeded"] [data-col="steps"]')).to_have_text(
+        re.compile(r"^\d+$")
+    )
+    screenshot(page, "runs")
+
+
+def test_run_page_charts_never_mix_units_on_an_axis(
+    page: Page, dashboard: Any, screenshot: Any
+) -> None:
+    run_id = "units"
+    store = dashboard.store()
+    try:
+        store.create_run("units", {"steps": 12}, run_id=run_id, status="running")
+        for step in range(12):
+            store.record_metrics(
+                run_id,
+                step,
+                {
+                    "reward/mean": step / 12,
+                    "perf/step_seconds": 4.0 + step % 3,
+                    "perf/rollout_seconds": 3.0 + step % 2,
+                    "perf/tokens_per_second": 900.0 + 10 * step,
+                    "perf/train_tokens_per_second": 2500.0 - 20 * step,
+                    "perf/sampled_tokens": 4000.0 + 50 * step,
+                    "staleness/max": float(step % 3),
+                    "staleness/mean": (step % 3) / 2,
+                    "staleness/admitted": 64.0,
+                    "staleness/refused": float(step % 4),
+                    "staleness/count/0": 40.0,
+                    "staleness/count/1": 24.0,
+                },
+            )
+    finally:
+        store.close()
+    # Panel → (unit, its series): a subject with several units gets one panel per unit.
+    expected = {
+        "Reward": ("", ["reward/mean"]),
+        "Staleness · samples": (
+            "samples",
+            ["staleness/admitted", "staleness/count/0", "staleness/count/1", "staleness/refused"],
+        ),
+        "Staleness · steps behind": ("steps behind", ["staleness/max", "staleness/mean"]),
+        "Throughput · s": ("s", ["perf/rollout_seconds", "perf/step_seconds"]),
+        "Throughput · tokens": ("tokens", ["perf/sampled_tokens"]),
+        "Throughput · tokens/s": (
+            "tokens/s",
+            ["perf/tokens_per_second", "perf/train_tokens_per_second"],
+        ),
+    }
+
+    page.goto(f"{dashboard.url}/#/runs/{run_id}")
+    expect(page.locator("[data-charts]")).to_have_attribute("data-ready", "true")
+    expect(page.locator(".chart-panel h3")).to_have_text(list(expected))
+    for title, (unit, names) in expected.items():
+        panel = page.locator(f'.chart-panel[data-chart="{title}"]')
+        expect(panel).to_have_attribute("data-unit", unit)
+        expect(panel).to_have_attribute("data-points", "12")
+        # uPlot's legend: the x series, then one entry per line drawn.
+        expect(panel.locator(".u-legend .u-series .u-label")).to_have_text(["step", *names])
+    screenshot(page, "units")

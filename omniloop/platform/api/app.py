@@ -32,12 +32,13 @@ from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute
 
 import omniloop
+from omniloop.platform.api.auth import AccessPolicy, TokenGuardMiddleware
 from omniloop.platform.api.batching import EpisodeCreator
 from omniloop.platform.api.events import EpisodeSignals
 from omniloop.platform.api.limits import BodyLimitMiddleware
 from omniloop.platform.api.metrics import ApiMetrics, RequestMetricsMiddleware
-from omniloop.platform.api.problems import Problem, install_problem_handlers
-from omniloop.platform.api.routes import ApiState, bearer_auth, no_auth, ops_router, v1_router
+from omniloop.platform.api.problems import Problem, install_problem_handlers, problem_responses
+from omniloop.platform.api.routes import ApiState, ops_router, v1_router
 from omniloop.platform.api.settings import ApiLimits, ApiSettings
 from omniloop.platform.api.worker import EpisodeWorker, load_agents
 from omniloop.platform.store import AsyncStore, Store
@@ -50,7 +51,9 @@ them live (Server-Sent Events), and browse runs, episodes and metrics.
 
 Errors are RFC 9457 problem documents (`application/problem+json`). Lists are keyset-paginated
 (`cursor` + `limit`; follow `next`). When the server has a token, every POST needs
-`Authorization: Bearer <token>`.
+`Authorization: Bearer <token>`; on a server bound beyond loopback, so does every `/v1` request
+(reads and event streams included), and `/metrics` unless the server turned that off. The
+operations that need it here are marked with the bearer scheme.
 """
 
 
@@ -110,8 +113,7 @@ def create_app(
         redoc_url=None,
     )
     app.state.omniloop = state
-    token = settings.token_bytes()
-    app.include_router(v1_router(bearer_auth(token) if token is not None else no_auth()))
+    app.include_router(v1_router())
     app.include_router(ops_router())
     for route in extra_routes:
         if isinstance(route, APIRouter):
@@ -119,9 +121,12 @@ def create_app(
         else:
             app.router.routes.append(route)
     install_problem_handlers(app)
-    # Starlette runs the middleware added last outermost: metrics see every request (413s from
-    # the body limit included), and CORS answers preflights before the body limit looks.
+    # Starlette runs the middleware added last outermost: metrics see every request (401s and
+    # 413s included), CORS answers preflights (and labels 401s, so a page can read them) before
+    # the token guard looks, and the guard refuses a request before its body is read.
+    policy = AccessPolicy.from_settings(settings)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.limits.max_body_bytes)
+    app.add_middleware(TokenGuardMiddleware, policy=policy)
     if settings.cors_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -131,7 +136,7 @@ def create_app(
             expose_headers=["Location", "Link", "Idempotent-Replayed"],
         )
     app.add_middleware(RequestMetricsMiddleware, metrics=state.metrics)
-    _complete_openapi(app, sorted(agents), settings.limits)
+    _complete_openapi(app, sorted(agents), settings.limits, policy)
     return app
 
 
@@ -142,9 +147,13 @@ def _set_maximum(schema: dict[str, Any], maximum: int) -> None:
             branch["maximum"] = min(branch.get("maximum", maximum), maximum)
 
 
-def _complete_openapi(app: FastAPI, agent_names: list[str], limits: ApiLimits) -> None:
+def _complete_openapi(
+    app: FastAPI, agent_names: list[str], limits: ApiLimits, policy: AccessPolicy
+) -> None:
     """Add what only this server knows to the OpenAPI document: the `Problem` schema that
-    error responses reference, its agents as the values `agent` may take, and its limits."""
+    error responses reference, its agents as the values `agent` may take (not where reads need
+    the token: the document itself is open, and the agents are `GET /v1/agents`'s to tell),
+    its limits, and the bearer scheme on every operation `policy` guards."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -160,12 +169,31 @@ def _complete_openapi(app: FastAPI, agent_names: list[str], limits: ApiLimits) -
             components = schema.setdefault("components", {}).setdefault("schemas", {})
             components.update(definitions.get("$defs", {}))
             request = components["EpisodeRequest"]["properties"]
-            if agent_names:
+            if agent_names and not policy.reads_need_token:
                 request["agent"]["enum"] = agent_names
             _set_maximum(request["max_turns"], limits.max_turns)
             sampling = components["SamplingOptions"]["properties"]
             _set_maximum(sampling["max_new_tokens"], limits.max_new_tokens)
+            _declare_auth(schema, policy)
             app.openapi_schema = schema
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _declare_auth(schema: dict[str, Any], policy: AccessPolicy) -> None:
+    """Mark each operation that needs the token with the bearer scheme and its 401."""
+    if policy.token is None:
+        return
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes["HTTPBearer"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "The server's token (`$OMNILOOP_API_TOKEN`).",
+    }
+    unauthorized = problem_responses(401)[401]
+    for path, operations in schema.get("paths", {}).items():
+        for method, operation in operations.items():
+            if policy.needs_token(method, path):
+                operation["security"] = [{"HTTPBearer": []}]
+                operation.setdefault("responses", {}).setdefault("401", unauthorized)

@@ -12,7 +12,7 @@ a method a path does not allow) and `urn:omniloop:problem:<name>` for the API's 
 | `not-found` | 404 | the episode or run does not exist |
 | `invalid-transition` | 409 | e.g. cancelling an episode that already completed |
 | `bad-request` | 400 | a body or `Content-Length` that cannot be parsed |
-| `unauthorized` | 401 | a POST without the configured bearer token |
+| `unauthorized` | 401 | no or another bearer token where one is needed (see `auth.py`) |
 | `body-too-large` | 413 | the body is over `limits.max_body_bytes` |
 | `not-ready` | 503 | the database or the episode worker is not usable |
 | `internal-error` | 500 | a bug; the detail says nothing about internals |

@@ -8,7 +8,7 @@ stored. The body as a whole is bounded by `ApiLimits.max_body_bytes` (413).
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
@@ -24,7 +24,13 @@ from pydantic import (
 )
 
 from omniloop.platform.api.settings import AGENT_NAME_PATTERN
-from omniloop.platform.store import EpisodeRecord, EpisodeStatus, RunRecord, RunStatus
+from omniloop.platform.store import (
+    EpisodeRecord,
+    EpisodeStatus,
+    RunRecord,
+    RunStatus,
+    RunSummary,
+)
 from omniloop.trajectory import Trajectory
 
 MAX_TASK_ID = 128
@@ -234,6 +240,12 @@ class EpisodeList(Page):
     items: list[EpisodeOut]
 
 
+class TrendPoint(_Output):
+    step: int
+    value: float | None
+    """None where the recorded value was NaN or infinite."""
+
+
 class RunOut(_Output):
     id: str
     name: str
@@ -242,6 +254,21 @@ class RunOut(_Output):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    steps_done: int
+    """The newest step with a `reward/mean` value, plus one (steps count from 0); 0 before
+    the first."""
+    steps_total: int | None
+    """The run's planned steps (its configuration's `steps`); None when it has none."""
+    latest_reward: float | None
+    """`reward/mean` at the newest step; None before the first step, or where it was NaN."""
+    reward_trend: list[TrendPoint]
+    """`reward/mean` at up to 32 steps spread evenly over the run, first and newest included,
+    in step order (every step of a shorter run): a sparkline's worth."""
+    infra_errors: int
+    """Episodes of the run that ended in an infrastructure failure (`sandbox_error`,
+    `reward_error`, `engine_error`, `cancelled`)."""
+    duration_seconds: float
+    """From creation to `finished_at`, or to now while the run is live."""
     href: str
     metrics_href: str
     episodes_href: str
@@ -340,8 +367,16 @@ def _episode_fields(record: EpisodeRecord) -> dict[str, Any]:
     }
 
 
-def run_out(record: RunRecord) -> RunOut:
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def run_out(record: RunRecord, summary: RunSummary | None, now: datetime | None = None) -> RunOut:
+    """The API's view of a run; `summary` None (a run deleted between the two reads) reads
+    as a run with no steps and no errors."""
     href = f"/v1/runs/{quote(record.id, safe='')}"
+    steps = record.config.get("steps")
+    end = record.finished_at or now or datetime.now(UTC)
     return RunOut(
         id=record.id,
         name=record.name,
@@ -350,6 +385,15 @@ def run_out(record: RunRecord) -> RunOut:
         created_at=record.created_at,
         updated_at=record.updated_at,
         finished_at=record.finished_at,
+        steps_done=summary.steps_done if summary is not None else 0,
+        steps_total=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
+        latest_reward=_finite(summary.latest_reward) if summary is not None else None,
+        reward_trend=[
+            TrendPoint(step=p.step, value=_finite(p.value))
+            for p in (summary.reward_trend if summary is not None else [])
+        ],
+        infra_errors=summary.infra_errors if summary is not None else 0,
+        duration_seconds=max((end - record.created_at).total_seconds(), 0.0),
         href=href,
         metrics_href=f"{href}/metrics",
         episodes_href=f"/v1/episodes?run_id={quote(record.id, safe='')}",

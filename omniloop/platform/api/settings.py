@@ -2,7 +2,8 @@
 
 The one safety rule lives here: a server that binds beyond loopback must have a bearer token
 (`api_token`, default `$OMNILOOP_API_TOKEN`); settings that would expose an unauthenticated
-server fail validation, so `omniloop serve` refuses to start.
+server fail validation, so `omniloop serve` refuses to start. Which requests then need the
+token is `auth.AccessPolicy`'s rule: beyond loopback, every `/v1` request and event stream.
 """
 
 from __future__ import annotations
@@ -114,8 +115,15 @@ class ApiSettings(StrictModel):
     """The run store's database URL; None means `$OMNILOOP_DB_URL`, else
     `sqlite:///runs/omniloop.db`."""
     api_token: SecretStr | None = Field(default_factory=_token_from_env)
-    """Bearer token required on every POST; defaults to `$OMNILOOP_API_TOKEN`. None leaves the
-    API open, which is allowed on loopback only."""
+    """Bearer token (`Authorization: Bearer <token>`); defaults to `$OMNILOOP_API_TOKEN`. Every
+    POST needs it; on a server bound beyond loopback so does every `/v1` request, reads and
+    event streams included (`/healthz`, `/readyz`, `/docs` and the dashboard's pages stay
+    open). None leaves the API open, which is allowed on loopback only."""
+    metrics_need_token: bool = True
+    """Whether `/metrics` (Prometheus) needs the token on a server bound beyond loopback (on
+    loopback it is open, like every read). On by default: request and episode counts describe
+    how the server is used. Prometheus sends the token with `authorization: {credentials_file:
+    ...}` in its scrape config; turn this off only for a scraper that cannot."""
     agents: dict[str, AgentEntry] = Field(default_factory=dict)
     """Agents clients may name in `POST /v1/episodes`, by name."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
@@ -172,8 +180,8 @@ class ApiSettings(StrictModel):
         if self.api_token is None and not is_loopback(self.host):
             raise ValueError(
                 f"refusing to serve on {self.host!r} without a bearer token: anyone who can "
-                f"reach the port could submit episodes. Set {TOKEN_ENV} (or api_token), or "
-                "bind 127.0.0.1"
+                f"reach the port could read every trajectory and submit episodes. Set "
+                f"{TOKEN_ENV} (or api_token), or bind 127.0.0.1"
             )
         return self
 

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import math
+from datetime import datetime
 
 import pytest
+from sqlalchemy import insert
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
 from omniloop.platform.api import create_app
 from omniloop.platform.store import Store
+from omniloop.platform.store.models import EpisodeRow, utcnow
 
 
 @pytest.fixture
@@ -40,6 +43,57 @@ async def test_runs_are_listed_newest_first_and_paginated(seeded, open_api, prob
     assert [r["id"] for r in second["items"]] == ["r1"]
     assert second["next"] is None
     assert [r["id"] for r in running["items"]] == ["r2"]
+
+
+async def test_runs_carry_progress_reward_trend_errors_and_duration(make_settings, open_api):
+    settings = make_settings()
+    store = Store(settings.db_url)
+    store.migrate()
+    store.create_run("train", {"steps": 50, "model": "tiny"}, run_id="t")
+    store.create_run("bare", {"steps": True}, run_id="b")  # not a number of steps
+    for step in range(40):
+        store.record_metrics("t", step, {"reward/mean": step / 40, "loss": 1.0})
+    store.record_metrics("t", 40, {"reward/mean": math.nan})
+    now = utcnow()
+    rows = [
+        {
+            "id": f"e{n}",
+            "run_id": "t",
+            "status": "completed" if reason in ("stop", "length") else "failed",
+            "task": {},
+            "agent": "calc",
+            "sampling": {},
+            "reward_info": {},
+            "timings": {},
+            "stop_reason": reason,
+            "created_at": now,
+            "updated_at": now,
+        }
+        for n, reason in enumerate(["stop", "sandbox_error", "engine_error", "length"])
+    ]
+    with store.engine.begin() as conn:
+        conn.execute(insert(EpisodeRow), rows)
+    store.update_run_status("b", "completed")
+    store.close()
+    async with open_api(settings) as api:
+        listed = {r["id"]: r for r in (await api.get("/v1/runs")).json()["items"]}
+        one = (await api.get("/v1/runs/t")).json()
+    train, bare = listed["t"], listed["b"]
+    assert (train["steps_done"], train["steps_total"], train["infra_errors"]) == (41, 50, 2)
+    assert train["latest_reward"] is None  # NaN at the newest step
+    trend = train["reward_trend"]
+    assert len(trend) == 32
+    assert (trend[0], trend[-1]) == ({"step": 0, "value": 0.0}, {"step": 40, "value": None})
+    assert all(p["value"] == p["step"] / 40 for p in trend[:-1])
+    assert train["duration_seconds"] >= 0
+    assert {k: v for k, v in one.items() if k != "duration_seconds"} == {
+        k: v for k, v in train.items() if k != "duration_seconds"
+    }
+    assert (bare["steps_done"], bare["steps_total"], bare["latest_reward"]) == (0, None, None)
+    assert (bare["reward_trend"], bare["infra_errors"]) == ([], 0)
+    finished = datetime.fromisoformat(bare["finished_at"])
+    created = datetime.fromisoformat(bare["created_at"])
+    assert bare["duration_seconds"] == pytest.approx((finished - created).total_seconds())
 
 
 async def test_a_run_has_its_config_and_links(seeded, open_api, problem):

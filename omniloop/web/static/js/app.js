@@ -4,6 +4,7 @@ import { runPage, runsPage } from "./runs.js";
 import { episodeBrowser } from "./episodes.js";
 import { trajectoryPage } from "./trajectory.js";
 import { clear, h } from "./dom.js";
+import { login } from "./api.js";
 
 const root = document.getElementById("app");
 let teardown = () => {};
@@ -56,6 +57,12 @@ function route() {
   }
   window.scrollTo(0, 0);
 }
+
+// "Enter token" on an error (after the prompt was cancelled): ask again, then reload the page.
+document.addEventListener("click", async (event) => {
+  if (!event.target.closest?.('[data-action="login"]')) return;
+  if (await login()) route();
+});
 
 window.addEventListener("hashchange", route);
 route();

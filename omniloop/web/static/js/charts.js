@@ -23,6 +23,21 @@ const MAX_SERIES = 8;
 const COMPACT = new Intl.NumberFormat("en", { notation: "compact", maximumFractionDigits: 3 });
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
 
+// The unit of a metric, read from its name ("" when the name does not say). Series of
+// different units never share an axis: seconds beside tokens/s would flatten one of them.
+export function unitOf(name) {
+  if (/^staleness\/(max|mean)$/.test(name)) return "steps behind";
+  if (/^staleness\//.test(name)) return "samples";
+  if (/per_second|_per_s$|throughput/.test(name)) return /tokens/.test(name) ? "tokens/s" : "per s";
+  if (/(^|[/_])(seconds|latency|duration)($|[/_])/.test(name)) return "s";
+  if (/(^|[/_])tokens$/.test(name)) return "tokens";
+  if (/(^|[/_])bytes$/.test(name)) return "bytes";
+  return "";
+}
+
+// Panels {title, names, unit}: names grouped by subject (GROUPS, else the first segment),
+// then split by unit (a panel of one subject and several units becomes one panel per unit,
+// titled "Subject · unit"), then split again past MAX_SERIES lines.
 export function groupMetrics(names) {
   const panels = new Map();
   for (const name of [...names].sort()) {
@@ -34,12 +49,23 @@ export function groupMetrics(names) {
   const order = GROUPS.map((g) => g.title);
   const rank = (t) => (order.includes(t) ? order.indexOf(t) : order.length);
   const sorted = [...panels.entries()].sort((a, b) => rank(a[0]) - rank(b[0]) || a[0].localeCompare(b[0]));
-  // Split panels with many series so every line stays readable.
   const result = [];
   for (const [title, members] of sorted) {
-    for (let i = 0; i < members.length; i += MAX_SERIES) {
-      const part = members.slice(i, i + MAX_SERIES);
-      result.push({ title: i ? `${title} (${i / MAX_SERIES + 1})` : title, names: part });
+    const byUnit = new Map();
+    for (const name of members) {
+      const unit = unitOf(name);
+      if (!byUnit.has(unit)) byUnit.set(unit, []);
+      byUnit.get(unit).push(name);
+    }
+    const units = [...byUnit.keys()].sort();
+    for (const unit of units) {
+      const base = units.length > 1 ? `${title} · ${unit || "value"}` : title;
+      const group = byUnit.get(unit);
+      // Split panels with many series so every line stays readable.
+      for (let i = 0; i < group.length; i += MAX_SERIES) {
+        const part = group.slice(i, i + MAX_SERIES);
+        result.push({ title: i ? `${base} (${i / MAX_SERIES + 1})` : base, names: part, unit });
+      }
     }
   }
   return result;
@@ -83,11 +109,12 @@ export class MetricStore {
 }
 
 export class ChartPanel {
-  constructor(title, names, store) {
+  constructor(title, names, store, unit = "") {
     this.title = title;
     this.names = names;
     this.store = store;
-    this.el = h("section", { class: "chart-panel", "data-chart": title },
+    this.unit = unit;
+    this.el = h("section", { class: "chart-panel", "data-chart": title, "data-unit": unit },
       h("h3", {}, title),
       h("div", { class: "chart-body" }));
     this.plot = null;
@@ -115,7 +142,11 @@ export class ChartPanel {
       // Compact tick labels (538M, 1.2k, 0.04): byte counts would not fit the axis.
       axes: [
         { label: "step", size: 34, labelSize: 14 },
-        { size: 56, values: (u, splits) => splits.map((v) => (v == null ? "" : COMPACT.format(v))) },
+        {
+          size: 56,
+          ...(this.unit ? { label: this.unit, labelSize: 14 } : {}),
+          values: (u, splits) => splits.map((v) => (v == null ? "" : COMPACT.format(v))),
+        },
       ],
       series: [
         { label: "step" },
@@ -140,4 +171,49 @@ export class ChartPanel {
     this.plot?.destroy();
     this.plot = null;
   }
+}
+
+// A sparkline of points [{step, value}] as inline SVG: a line over the steps (broken where a
+// value is null), a dot on the newest point, the range in the tooltip.
+export function sparkline(points, { width = 96, height = 22 } = {}) {
+  const ns = "http://www.w3.org/2000/svg";
+  const svg = document.createElementNS(ns, "svg");
+  svg.setAttribute("class", "spark");
+  svg.setAttribute("width", width);
+  svg.setAttribute("height", height);
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("role", "img");
+  svg.dataset.points = String(points.length);
+  const finite = points.filter((p) => p.value !== null && Number.isFinite(p.value));
+  if (finite.length < 2) return svg;
+  const steps = points.map((p) => p.step);
+  const values = finite.map((p) => p.value);
+  const [x0, x1] = [Math.min(...steps), Math.max(...steps)];
+  const [y0, y1] = [Math.min(...values), Math.max(...values)];
+  const pad = 2;
+  const x = (step) => pad + ((step - x0) / (x1 - x0 || 1)) * (width - 2 * pad);
+  const y = (v) => height - pad - (y1 === y0 ? 0.5 : (v - y0) / (y1 - y0)) * (height - 2 * pad);
+  let d = "";
+  let pen = "M";
+  for (const p of points) {
+    if (p.value === null || !Number.isFinite(p.value)) {
+      pen = "M";
+      continue;
+    }
+    d += `${pen}${x(p.step).toFixed(1)},${y(p.value).toFixed(1)}`;
+    pen = "L";
+  }
+  const line = document.createElementNS(ns, "path");
+  line.setAttribute("d", d);
+  svg.append(line);
+  const last = finite[finite.length - 1];
+  const dot = document.createElementNS(ns, "circle");
+  dot.setAttribute("cx", x(last.step).toFixed(1));
+  dot.setAttribute("cy", y(last.value).toFixed(1));
+  dot.setAttribute("r", "2");
+  svg.append(dot);
+  const title = document.createElementNS(ns, "title");
+  title.textContent = `steps ${x0}–${x1}: ${y0.toPrecision(3)} to ${y1.toPrecision(3)}`;
+  svg.append(title);
+  return svg;
 }

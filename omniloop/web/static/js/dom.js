@@ -59,12 +59,26 @@ export function fmtSeconds(value) {
   return value < 1 ? `${(value * 1000).toFixed(0)} ms` : `${value.toFixed(2)} s`;
 }
 
+// 42 s, 3 m 05 s, 1 h 02 m, 2 d 03 h.
+export function fmtDuration(seconds) {
+  if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return "–";
+  const s = Math.floor(seconds);
+  const pad = (n) => String(n).padStart(2, "0");
+  if (s < 60) return `${s} s`;
+  if (s < 3600) return `${Math.floor(s / 60)} m ${pad(s % 60)} s`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ${pad(Math.floor((s % 3600) / 60))} m`;
+  return `${Math.floor(s / 86400)} d ${pad(Math.floor((s % 86400) / 3600))} h`;
+}
+
 export function shortId(id) {
   return id.length > 14 ? `${id.slice(0, 12)}…` : id;
 }
 
+// An error for the page. A 401 (the user cancelled the token prompt) offers the prompt again;
+// app.js handles the button.
 export function errorBox(err) {
-  return h("div", { class: "error-box", role: "alert" }, err?.message || String(err));
+  return h("div", { class: "error-box", role: "alert" }, err?.message || String(err),
+    err?.status === 401 ? [" ", h("button", { type: "button", class: "btn", "data-action": "login" }, "Enter token")] : null);
 }
 
 export function taskSummary(task) {

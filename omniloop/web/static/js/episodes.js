@@ -8,6 +8,7 @@ const STOP_REASONS = [
   "stop", "length", "max_turns", "context_limit", "tool_timeout",
   "sandbox_error", "reward_error", "cancelled", "engine_error",
 ];
+const NUMERIC = new Set(["reward", "turns", "length"]); // right-aligned, like their cells
 const PAGE_SIZE = 50;
 const REFRESH_MS = 2000;
 
@@ -45,7 +46,7 @@ export function episodeBrowser({ runId = null, filters = {}, onFilters = () => {
     h("table", { class: "grid" },
       h("thead", {}, h("tr", {},
         ["episode", "status", "task", "agent", "reward", "stop reason", "error", "turns", "length", "created"]
-          .map((c) => h("th", {}, c)))),
+          .map((c) => h("th", { class: NUMERIC.has(c) ? "num" : null }, c)))),
       table));
 
   function row(ep) {

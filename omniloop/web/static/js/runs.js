@@ -1,47 +1,90 @@
 // The runs list and one run's page (charts updating live, then its episodes).
 
 import { api } from "./api.js";
-import { ChartPanel, MetricStore, groupMetrics } from "./charts.js";
+import { ChartPanel, MetricStore, groupMetrics, sparkline } from "./charts.js";
 import { episodeBrowser } from "./episodes.js";
-import { badge, clear, errorBox, fmtTime, h } from "./dom.js";
+import { badge, clear, errorBox, fmtDuration, fmtNum, fmtTime, h, shortId } from "./dom.js";
 
 const POLL_MS = 2000;
 const MAX_POINTS = 400;
 
+const LIST_REFRESH_MS = 5000;
+const LIVE = new Set(["created", "running"]);
+
+function stepsCell(run) {
+  const done = run.steps_done;
+  const total = run.steps_total;
+  const text = total ? `${fmtNum(done)} / ${fmtNum(total)}` : fmtNum(done);
+  const share = total ? Math.min(1, done / total) : null;
+  return h("td", { class: "num nowrap", "data-col": "steps" }, text,
+    share === null ? null : h("span", { class: "progress", title: `${Math.round(share * 100)}%` },
+      h("span", { style: `width: ${(share * 100).toFixed(1)}%` })));
+}
+
+function rewardCell(run) {
+  const trend = run.reward_trend || [];
+  return h("td", { class: "num nowrap", "data-col": "reward" },
+    h("span", { class: "reward-now" }, fmtNum(run.latest_reward)), " ",
+    trend.length > 1 ? sparkline(trend) : null);
+}
+
+function errorsCell(run) {
+  const n = run.infra_errors;
+  return h("td", {
+    class: `num ${n ? "err" : "muted"}`, "data-col": "errors",
+    title: "episodes that ended in an infrastructure failure (sandbox, reward or engine error, or cancelled)",
+  }, fmtNum(n));
+}
+
 export function runsPage(root) {
-  const state = { cursors: [null], index: 0 };
+  const state = { cursors: [null], index: 0, timer: null, stopped: false };
   const body = h("tbody");
   const newer = h("button", { type: "button", class: "btn", disabled: true, onclick: () => go(-1) }, "← Newer");
   const older = h("button", { type: "button", class: "btn", disabled: true, onclick: () => go(1) }, "Older →");
   const message = h("div");
+  const columns = [
+    ["run"], ["id"], ["status"], ["steps", "num"], ["reward", "num"], ["errors", "num"],
+    ["duration", "num"], ["created"],
+  ];
   clear(root,
     h("div", { class: "page-head" }, h("h1", {}, "Runs"), h("span", { class: "spacer" }), newer, older),
     message,
     h("table", { class: "grid", "data-runs": "" },
-      h("thead", {}, h("tr", {}, ["run", "id", "status", "created", "updated", "finished"].map((c) => h("th", {}, c)))),
+      h("thead", {}, h("tr", {}, columns.map(([c, cls]) => h("th", { class: cls }, c)))),
       body),
     h("p", { class: "muted" }, "Episodes submitted over the API outside any run: ", h("a", { href: "#/episodes" }, "all episodes"), "."));
 
   async function load() {
+    clearTimeout(state.timer);
+    let live = false;
     try {
       const page = await api.runs({ cursor: state.cursors[state.index], limit: 50 });
+      if (state.stopped) return;
       state.cursors[state.index + 1] = page.next_cursor;
       newer.disabled = state.index === 0;
       older.disabled = !page.next_cursor;
+      clear(message);
+      live = page.items.some((run) => LIVE.has(run.status));
       clear(body, page.items.length ? page.items.map((run) => {
         const link = `#/runs/${encodeURIComponent(run.id)}`;
-        return h("tr", { "data-run": run.id },
+        return h("tr", { "data-run": run.id, "data-status": run.status },
           h("td", {}, h("a", { href: link }, run.name || run.id)),
-          h("td", { class: "mono" }, run.id),
+          h("td", { class: "mono", title: run.id }, shortId(run.id)),
           h("td", {}, badge(run.status)),
-          h("td", { class: "nowrap" }, fmtTime(run.created_at)),
-          h("td", { class: "nowrap" }, fmtTime(run.updated_at)),
-          h("td", { class: "nowrap" }, fmtTime(run.finished_at)));
-      }) : h("tr", {}, h("td", { colspan: 6, class: "muted empty" }, "No runs yet.")));
+          stepsCell(run),
+          rewardCell(run),
+          errorsCell(run),
+          h("td", { class: "num nowrap", "data-col": "duration", title: run.finished_at ? `finished ${fmtTime(run.finished_at)}` : "still running" },
+            fmtDuration(run.duration_seconds)),
+          h("td", { class: "nowrap" }, fmtTime(run.created_at)));
+      }) : h("tr", {}, h("td", { colspan: columns.length, class: "muted empty" }, "No runs yet.")));
       root.dataset.ready = "true";
     } catch (err) {
+      if (state.stopped) return;
       clear(message, errorBox(err));
     }
+    // Live runs move on: refresh their steps, reward and duration.
+    if (!state.stopped && live) state.timer = setTimeout(load, LIST_REFRESH_MS);
   }
 
   function go(delta) {
@@ -50,7 +93,10 @@ export function runsPage(root) {
   }
 
   load();
-  return () => {};
+  return () => {
+    state.stopped = true;
+    clearTimeout(state.timer);
+  };
 }
 
 export function runPage(root, runId, filters, onFilters) {
@@ -88,7 +134,7 @@ export function runPage(root, runId, filters, onFilters) {
     panels.clear();
     clear(grid, groups.length ? [] : h("p", { class: "muted" }, "No metrics recorded yet."));
     for (const g of groups) {
-      const panel = new ChartPanel(g.title, g.names, store);
+      const panel = new ChartPanel(g.title, g.names, store, g.unit);
       panels.set(g.title, panel);
       grid.append(panel.el);
     }

@@ -2,7 +2,7 @@
 // into the prompt and each turn, with the loss mask overlaid, logprobs on hover, the turn's
 // tool calls and their results, and media inline.
 
-import { api } from "./api.js";
+import { api, openJSON } from "./api.js";
 import { badge, clear, errorBox, fmtNum, fmtSeconds, fmtTime, h, taskSummary } from "./dom.js";
 
 const TERMINAL = new Set(["completed", "failed", "cancelled"]);
@@ -44,7 +44,6 @@ export function trajectoryPage(root, episodeId) {
   function follow() {
     if (source) return;
     let turns = 0;
-    source = new EventSource(api.eventsUrl(episodeId));
     const onStatus = (event) => {
       const payload = JSON.parse(event.data);
       const status = payload.data?.status;
@@ -61,15 +60,20 @@ export function trajectoryPage(root, episodeId) {
         show();
       }
     };
-    source.addEventListener("status", onStatus);
-    source.addEventListener("turn", () => {
-      turns += 1;
-      clear(live, `live: running · ${turns} turn(s) so far`);
+    source = api.events(episodeId, {
+      onEvent: (event) => {
+        if (event.event === "status") onStatus(event);
+        else if (event.event === "turn") {
+          turns += 1;
+          clear(live, `live: running · ${turns} turn(s) so far`);
+        }
+      },
+      onState: (state, err) => {
+        // A dropped stream is resumed with Last-Event-ID; say so meanwhile.
+        if (state === "reconnecting") clear(live, "live: reconnecting…");
+        else if (state === "failed") clear(live, errorBox(err));
+      },
     });
-    source.onerror = () => {
-      // The browser reconnects with Last-Event-ID on its own; say so meanwhile.
-      clear(live, "live: reconnecting…");
-    };
   }
 
   show();
@@ -84,7 +88,8 @@ function renderHead(head, ep) {
     h("h1", {}, "Episode"), badge(ep.status),
     h("span", { class: "mono muted" }, ep.id),
     ep.run_id ? h("a", { href: `#/runs/${encodeURIComponent(ep.run_id)}` }, `run ${ep.run_id}`) : null,
-    h("a", { href: ep.href, target: "_blank", rel: "noopener", class: "muted" }, "JSON"));
+    // Fetched with the token and shown from a blob: a plain link would go without it.
+    h("a", { href: ep.href, class: "muted", onclick: (e) => { e.preventDefault(); openJSON(ep.href).catch((err) => head.append(errorBox(err))); } }, "JSON"));
 }
 
 function renderEpisode(ep, tokens, tokenError) {
