@@ -32,9 +32,14 @@ INFRA_STOP_REASONS: frozenset[str] = frozenset(
 )
 
 
-def trajectory_id(run: str, episode: str, attempt: int = 0, segment: int = 0) -> str:
-    """Deterministic id of one trajectory segment: the same inputs always give the same id."""
-    key = f"{run}\x1f{episode}\x1f{attempt}\x1f{segment}".encode()
+def trajectory_id(run: str, episode: str, segment: int = 0) -> str:
+    """Deterministic id of one trajectory segment: the same inputs always give the same id.
+
+    The attempt is not part of it: an episode re-run after its rollout replica died (`attempt`
+    + 1 in the meta) takes the same id, so its row replaces the cut-off one in the data plane
+    and the trainer counts the episode once.
+    """
+    key = f"{run}\x1f{episode}\x1f{segment}".encode()
     return hashlib.blake2b(key, digest_size=12).hexdigest()
 
 
@@ -105,6 +110,8 @@ class TrajectoryMeta(BaseModel):
     group_id: str = ""
     """Trajectories of the same task and sampling group share it (GRPO groups)."""
     attempt: int = 0
+    """0 for the first run of the episode, +1 for each re-run after an infrastructure failure
+    of the role that ran it (the trajectory id stays the same)."""
     segment: int = 0
     task_id: str = ""
     task: dict[str, Any] = Field(default_factory=dict)
@@ -206,7 +213,7 @@ class TrajectoryBuilder:
     ) -> Trajectory:
         """Freeze into a `Trajectory` whose id is derived from the meta's ids."""
         traj = Trajectory(
-            id=trajectory_id(meta.run_id, meta.episode_id, meta.attempt, meta.segment),
+            id=trajectory_id(meta.run_id, meta.episode_id, meta.segment),
             input_ids=list(self.input_ids),
             loss_mask=list(self.loss_mask),
             rollout_logprobs=list(self.rollout_logprobs),

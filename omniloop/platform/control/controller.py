@@ -18,10 +18,14 @@ training, `inf` never waits. Why the bound holds: rollout k starts when the trai
 advance), so every token of step k was sampled by a version at most `max_staleness` behind the
 one that trains on it. The actor checks this again per sample (`StalenessGate.admit`).
 
-Roles are reached only through the small protocols below, the interfaces their Ray Serve
-services have; `run` builds in-process implementations (`roles.py`). Rows reach the actor only
-through the data plane, keyed by deterministic trajectory id, so a resumed run regenerates
-exactly the steps after its checkpoint, with the same ids, and trains each id once.
+Roles are reached only through the small protocols below: `services` implements them over Ray
+Serve deployments (the default), `local` in this process (`services.mode=in_process`). Rows
+reach the actor only through the data plane, keyed by deterministic trajectory id, so a resumed
+run regenerates exactly the steps after its checkpoint, with the same ids, and trains each id
+once; the controller itself sees only ids, counts and metrics (`EpisodeSummary`).
+
+A step whose share of infrastructure failures passes `faults.max_infra_error_share` fails the
+run (`InfraErrorBound`): a run never ends `completed` having trained on nothing.
 
 What a run leaves in `RUN_DIR` (`RunRecord`): `config.yaml`, `metrics.jsonl`, `trained.jsonl`
 (per step: the trainer version and each trained id with the oldest version that sampled it),
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from omniloop.errors import OmniloopError
 from omniloop.platform.control.metrics import step_metrics
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.staleness import StalenessGate
@@ -50,18 +55,66 @@ if TYPE_CHECKING:
 # -- what roles report ------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EpisodeSummary:
+    """What the controller learns of one finished episode: its id and the numbers behind the
+    step's metrics. The trajectory itself stays in the data plane and the run store."""
+
+    id: str
+    reward: float | None
+    infra_failure: bool
+    stop_reason: str
+    response_length: int
+    turns: int
+    sampled_tokens: int
+    attempt: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The episode's counted metrics (`tools/*`…), summed over the step."""
+
+    @classmethod
+    def of(cls, trajectory: Trajectory) -> EpisodeSummary:
+        """The summary of a finished trajectory."""
+        meta = trajectory.meta
+        return cls(
+            id=trajectory.id,
+            reward=trajectory.reward,
+            infra_failure=trajectory.is_infra_failure,
+            stop_reason=str(meta.stop_reason),
+            response_length=trajectory.response_length,
+            turns=len(meta.turns),
+            sampled_tokens=sum(trajectory.loss_mask),
+            attempt=meta.attempt,
+            metrics={key: float(value) for key, value in meta.metrics.items()},
+        )
+
+
 @dataclass
 class RolloutReport:
     """The episodes of one rollout step, as written to its partition."""
 
     step: int
-    trajectories: list[Trajectory]
+    episodes: list[EpisodeSummary]
     seconds: float
     """From the step's first episode starting to its partition being closed."""
+    retried: int = 0
+    """Episodes re-run because the replica running them failed."""
+
+    @property
+    def infra_error_share(self) -> float:
+        """The share of the step's episodes that ended in an infrastructure failure."""
+        return sum(e.infra_failure for e in self.episodes) / max(len(self.episodes), 1)
 
     def metrics(self) -> dict[str, float]:
         """`reward/*`, `episodes/*`, `response_length/mean`, `perf/rollout_seconds`…"""
-        return {**step_metrics(self.trajectories), "perf/rollout_seconds": self.seconds}
+        return {
+            **step_metrics(self.episodes),
+            "perf/rollout_seconds": self.seconds,
+            "episodes/retried": float(self.retried),
+        }
+
+
+class InfraErrorBound(OmniloopError):
+    """A step's share of infrastructure failures passed `faults.max_infra_error_share`."""
 
 
 @dataclass
@@ -159,6 +212,8 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
                 roles.actor.train(step), production[step]
             )
             del production[step]
+            if rollout.infra_error_share > config.faults.max_infra_error_share:
+                raise InfraErrorBound(_infra_cause(rollout, config.faults.max_infra_error_share))
             synced = {}
             if trained.version != trained.trained_version:
                 synced = await roles.sync.publish(trained.version)
@@ -174,6 +229,19 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
         for task in production.values():
             task.cancel()
         await asyncio.gather(*production.values(), return_exceptions=True)
+
+
+def _infra_cause(rollout: RolloutReport, bound: float) -> str:
+    failed = [e for e in rollout.episodes if e.infra_failure]
+    reasons: dict[str, int] = {}
+    for episode in failed:
+        reasons[episode.stop_reason] = reasons.get(episode.stop_reason, 0) + 1
+    causes = ", ".join(f"{reason} {count}" for reason, count in sorted(reasons.items()))
+    return (
+        f"step {rollout.step}: {len(failed)} of {len(rollout.episodes)} episodes failed on "
+        f"infrastructure ({causes}), more than faults.max_infra_error_share={bound}; the run "
+        "stops instead of training on what is left (raise the bound to go on regardless)"
+    )
 
 
 async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> tuple[Any, Any]:

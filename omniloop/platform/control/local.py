@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,22 +37,24 @@ from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.inference.client import EngineClient
 from omniloop.platform.control.components import episode_plan
-from omniloop.platform.control.controller import RolloutReport, TrainReport
+from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
 from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
+from omniloop.platform.control.faults import Retry
 from omniloop.platform.control.rollout import write_trajectory
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.staleness import StalenessGate
 from omniloop.platform.data import MicroBatch
 from omniloop.rewards import RewardFn
 from omniloop.trainer.advantages import group_advantages, rloo_advantages
+from omniloop.trainer.backend import TrainerBackend
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import AdvantageConfig
-from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trainer.weight_sync import WeightSync
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory, TrajectoryMeta
 
 if TYPE_CHECKING:
     from omniloop.platform.data import DataPlane
+    from omniloop.platform.store import AsyncStore
 
 ADVANTAGE_FIELDS = ("reward", "loss_mask", "meta")
 """What the advantage stage reads."""
@@ -94,12 +97,14 @@ def step_tasks(tasks: Sequence[Task], step: int, per_step: int) -> list[Task]:
     return [tasks[(start + i) % len(tasks)] for i in range(per_step)]
 
 
-class LocalRollout:
-    """The rollout role in this process (see the module docstring).
+class EpisodeRunner:
+    """Runs single episodes of a run and puts each where it belongs, so that whoever calls it
+    (a `StepRollout` in this process, or a rollout replica) only hears back a summary.
 
-    One concurrency bound (`rollout.concurrency`) is shared by every step in flight, so when
-    the staleness bound lets several steps run, the engine batches their episodes together, the
-    older step's first (the semaphore admits waiters in order).
+    `run(step, index, attempt)` runs episode `index` of step `step`'s plan, writes its rollout
+    fields and reward to partition `step`, appends it to `trajectories/step_{step}.jsonl` and
+    records it in the run store. Writes are keyed by trajectory id, which the attempt does not
+    change, so an episode re-run after a failure replaces its earlier row.
     """
 
     def __init__(
@@ -113,8 +118,7 @@ class LocalRollout:
         engine: EngineClient,
         sandboxes: SandboxProvider,
         data: DataPlane,
-        on_start: EpisodeCallback,
-        on_episode: EpisodeCallback,
+        store: AsyncStore | None,
     ) -> None:
         self._config = config
         self._tasks = list(tasks)
@@ -124,34 +128,24 @@ class LocalRollout:
         self._engine = engine
         self._sandboxes = sandboxes
         self._data = data
-        self._on_start = on_start
-        self._on_episode = on_episode
+        self._store = store
         self._limit = asyncio.Semaphore(config.rollout.concurrency)
         self._out_dir = Path(config.rollout.output)
         self._out_dir.mkdir(parents=True, exist_ok=True)
 
-    async def generate(self, step: int) -> RolloutReport:
-        """Run step `step`'s episodes into partition `step`, then close it."""
-        started = time.perf_counter()
+    def plan(self, step: int) -> list[tuple[Task, EpisodeSettings]]:
+        """Step `step`'s episodes, in their stable order."""
         tasks = step_tasks(self._tasks, step, self._config.tasks_per_step)
-        plan = list(episode_plan(self._config.rollout, tasks, prefix=f"step{step}/"))
-        self._on_start(step, len(plan))
-        done: list[Trajectory] = []
-        with (self._out_dir / f"step_{step}.jsonl").open("w") as stream:
-            async with asyncio.TaskGroup() as group:
-                for task, settings in plan:
-                    group.create_task(self._episode(step, task, settings, stream, done))
-        await self._data.close_partition(step)
-        return RolloutReport(step, done, time.perf_counter() - started)
+        return list(episode_plan(self._config.rollout, tasks, prefix=f"step{step}/"))
 
-    async def _episode(
-        self,
-        step: int,
-        task: Task,
-        settings: EpisodeSettings,
-        stream: TextIO,
-        done: list[Trajectory],
-    ) -> None:
+    def open_step(self, step: int) -> None:
+        """Start step `step`'s trajectory file afresh (a redone step replaces its file)."""
+        (self._out_dir / f"step_{step}.jsonl").write_text("")
+
+    async def run(self, step: int, index: int, attempt: int = 0) -> EpisodeSummary:
+        """Run episode `index` of step `step` and write it; see the class docstring."""
+        task, settings = self.plan(step)[index]
+        settings = dataclasses.replace(settings, attempt=attempt)
         async with self._limit:
             trajectory = await run_episode(
                 self._agent,
@@ -166,9 +160,71 @@ class LocalRollout:
         failed = trajectory.is_infra_failure or trajectory.reward is None
         reward = math.nan if failed else trajectory.reward
         await self._data.put_field(step, [trajectory.id], "reward", [reward])
-        write_trajectory(stream, trajectory)
-        done.append(trajectory)
+        with (self._out_dir / f"step_{step}.jsonl").open("a") as stream:
+            write_trajectory(stream, trajectory)
+        if self._store is not None:
+            await self._store.record_episodes(
+                self._config.run_id or "", [trajectory], agent=self._config.rollout.agent
+            )
+        return EpisodeSummary.of(trajectory)
+
+    async def close_step(self, step: int) -> None:
+        """Close partition `step`: every episode of the step has been written."""
+        await self._data.close_partition(step)
+
+
+EpisodeCall = Callable[[int, int, int], Awaitable[EpisodeSummary]]
+"""`(step, index, attempt) -> summary`: one episode, wherever it runs."""
+
+
+class StepRollout:
+    """The rollout role as the controller sees it: a step is its plan's episodes, each run by
+    `episode` (in this process, or on a rollout replica) and re-run with `attempt + 1` when
+    `retry` says the failure was the replica's, not the episode's.
+
+    `begin(step)` runs before the step's first episode, `close(step)` once all have been
+    written. `on_start(step, n)` and `on_episode(step, 1)` report progress.
+    """
+
+    def __init__(
+        self,
+        episodes_per_step: int,
+        episode: EpisodeCall,
+        *,
+        begin: Callable[[int], Awaitable[None]],
+        close: Callable[[int], Awaitable[None]],
+        retry: Retry,
+        on_start: EpisodeCallback,
+        on_episode: EpisodeCallback,
+    ) -> None:
+        self._count = episodes_per_step
+        self._episode = episode
+        self._begin = begin
+        self._close = close
+        self._retry = retry
+        self._on_start = on_start
+        self._on_episode = on_episode
+
+    async def generate(self, step: int) -> RolloutReport:
+        """Run step `step`'s episodes into partition `step`, then close it."""
+        started = time.perf_counter()
+        await self._retry.call("rollout", lambda _: self._begin(step), what=f"step {step} start")
+        self._on_start(step, self._count)
+        async with asyncio.TaskGroup() as group:
+            runs = [group.create_task(self._one(step, i)) for i in range(self._count)]
+        await self._retry.call("rollout", lambda _: self._close(step), what=f"step {step} close")
+        episodes = [run.result() for run in runs]
+        retried = sum(e.attempt > 0 for e in episodes)
+        return RolloutReport(step, episodes, time.perf_counter() - started, retried=retried)
+
+    async def _one(self, step: int, index: int) -> EpisodeSummary:
+        summary = await self._retry.call(
+            "rollout",
+            lambda attempt: self._episode(step, index, attempt),
+            what=f"step {step} episode {index}",
+        )
         self._on_episode(step, 1)
+        return summary
 
 
 class LocalAdvantage:
@@ -249,14 +305,14 @@ def _row_trajectory(batch: MicroBatch, i: int) -> Trajectory:
 
 
 class LocalActor:
-    """The actor role in this process: a `TorchTrainerBackend` fed from the data plane.
+    """The actor role in this process: a `TrainerBackend` fed from the data plane.
 
     Its checkpoint holds the trainer's (weights, optimizer, version), the data position (the
     next step) and the ids handed to it by the data plane, so that a resumed actor trains every
     remaining id exactly once.
     """
 
-    def __init__(self, backend: TorchTrainerBackend, data: DataPlane, config: RunConfig) -> None:
+    def __init__(self, backend: TrainerBackend, data: DataPlane, config: RunConfig) -> None:
         self._backend = backend
         self._data = data
         self._micro_batch_size = config.trainer.micro_batch_size
@@ -358,7 +414,7 @@ class ActorWeights:
     only pairs it with the weights it publishes.
     """
 
-    def __init__(self, backend: TorchTrainerBackend, sync: WeightSync) -> None:
+    def __init__(self, backend: TrainerBackend, sync: WeightSync) -> None:
         self._backend = backend
         self._sync = sync
 

@@ -36,11 +36,13 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
-from omniloop.trajectory import Trajectory
+if TYPE_CHECKING:
+    from omniloop.platform.control.controller import EpisodeSummary
+
 
 CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
     ("reward/mean", "reward", "{:.3f}"),
@@ -57,32 +59,30 @@ CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
 """(key, label, format) of the values shown on the console line of each step."""
 
 
-def step_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """Reward, length, error and stop-reason metrics of one step's trajectories."""
-    scored = [
-        float(t.reward) for t in trajectories if t.reward is not None and not t.is_infra_failure
-    ]
-    n = len(trajectories)
+def step_metrics(episodes: Sequence[EpisodeSummary]) -> dict[str, float]:
+    """Reward, length, error and stop-reason metrics of one step's episodes."""
+    scored = [float(e.reward) for e in episodes if e.reward is not None and not e.infra_failure]
+    n = len(episodes)
     mean = sum(scored) / len(scored) if scored else math.nan
     var = sum((r - mean) ** 2 for r in scored) / len(scored) if scored else math.nan
     out: dict[str, float] = {
         "episodes/count": float(n),
-        "episodes/errors": float(sum(t.is_infra_failure for t in trajectories)),
+        "episodes/errors": float(sum(e.infra_failure for e in episodes)),
         "reward/mean": mean,
         "reward/std": math.sqrt(var),
-        "response_length/mean": sum(t.response_length for t in trajectories) / n if n else 0.0,
-        "turns/mean": sum(len(t.meta.turns) for t in trajectories) / n if n else 0.0,
-        "perf/sampled_tokens": float(sum(sum(t.loss_mask) for t in trajectories)),
+        "response_length/mean": sum(e.response_length for e in episodes) / n if n else 0.0,
+        "turns/mean": sum(e.turns for e in episodes) / n if n else 0.0,
+        "perf/sampled_tokens": float(sum(e.sampled_tokens for e in episodes)),
     }
     stops: dict[str, int] = {}
-    for t in trajectories:
-        stops[str(t.meta.stop_reason)] = stops.get(str(t.meta.stop_reason), 0) + 1
+    for e in episodes:
+        stops[e.stop_reason] = stops.get(e.stop_reason, 0) + 1
     out.update({f"episodes/stop/{reason}": float(count) for reason, count in stops.items()})
-    tool_totals: dict[str, float] = {}
-    for t in trajectories:
-        for key, value in t.meta.metrics.items():
-            tool_totals[key] = tool_totals.get(key, 0.0) + float(value)
-    out.update(tool_totals)
+    totals: dict[str, float] = {}
+    for e in episodes:
+        for key, value in e.metrics.items():
+            totals[key] = totals.get(key, 0.0) + value
+    out.update(totals)
     return out
 
 

@@ -15,6 +15,7 @@ from rich.progress import Progress, TaskID
 
 from omniloop.errors import ConfigError
 from omniloop.platform.control.controller import Actor, RolloutReport, TrainReport
+from omniloop.platform.control.faults import FaultTimeline
 from omniloop.platform.control.metrics import MetricsSink, truncate_jsonl
 from omniloop.platform.control.run_config import RunConfig
 
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 class RunRecord:
     """The run's files, database records and console output, one `step` call per trained step.
 
-    The database gets each step's metrics and episodes (with their trajectories) once the step
-    is trained, in one transaction each, so the dashboard shows a run as it trains.
+    The database gets each step's metrics once the step is trained (the rollout role records
+    the episodes themselves as they finish), so the dashboard shows a run as it trains. The
+    faults the step saw (`FaultTimeline`) go to `RUN_DIR/faults.jsonl`, the run's events and
+    the step's metrics.
     """
 
     def __init__(
@@ -35,20 +38,23 @@ class RunRecord:
         sink: MetricsSink,
         progress: Progress,
         store: AsyncStore,
-        *,
-        resume_step: int,
     ) -> None:
         assert config.run_id is not None, "the run id is resolved before the run starts"
         self.run_dir = Path(config.run_dir)
         self.trained_path = self.run_dir / "trained.jsonl"
+        self.faults_path = self.run_dir / "faults.jsonl"
+        self.timeline = FaultTimeline()
         self.run_id = config.run_id
         self._config = config
         self._sink = sink
         self._progress = progress
         self._store = store
         self._bars: dict[int, TaskID] = {}
-        for path in (self.trained_path, sink.path):
-            truncate_jsonl(path, resume_step)
+
+    def rewind(self, step: int) -> None:
+        """Drop what the logs hold from step `step` on (a resumed run redoes those steps)."""
+        for path in (self.trained_path, self._sink.path):
+            truncate_jsonl(path, step)
 
     def episodes_started(self, step: int, total: int) -> None:
         """A progress bar for `step` (called by the rollout when the step starts)."""
@@ -84,9 +90,17 @@ class RunRecord:
             }
             stream.write(json.dumps(line) + "\n")
         self._progress.remove_task(self._bars.pop(trained.step))
-        await self._store.record_episodes(
-            self.run_id, rollout.trajectories, agent=self._config.rollout.agent
-        )
+        faults = self.timeline.take_finished()
+        metrics["faults/count"] = float(len(faults))
+        recovery = [f.recovery_seconds or 0.0 for f in faults]
+        metrics["faults/recovery_seconds"] = max(recovery) if recovery else 0.0
+        with self.faults_path.open("a") as stream:
+            for fault in faults:
+                stream.write(json.dumps({"step": trained.step, **fault.to_json()}) + "\n")
+        for fault in faults:
+            await self._store.record_run_event(
+                self.run_id, "fault", {"step": trained.step, **fault.to_json()}
+            )
         await self._store.record_metrics(self.run_id, trained.step, metrics)
         self._sink.log(trained.step, metrics, total_steps=self._config.steps)
         return metrics

@@ -6,14 +6,20 @@ import asyncio
 import contextlib
 import random
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omniloop.errors import ConfigError
 from omniloop.platform.control.controller import Roles, train_loop
 from omniloop.platform.control.metrics import MetricsSink
 from omniloop.platform.control.record import RunRecord, checkpoints, recorded_run
 from omniloop.platform.control.run_config import RunConfig, config_yaml
+
+if TYPE_CHECKING:
+    from omniloop.platform.control.faults import Retry
+    from omniloop.platform.control.local import ActorWeights, EpisodeRunner, LocalActor
+    from omniloop.platform.data import DataPlane
 
 
 def seed_everything(seed: int) -> None:
@@ -25,34 +31,23 @@ def seed_everything(seed: int) -> None:
 
 
 async def run(config: RunConfig, *, resume: bool = False) -> Path:
-    """Train as `config` says, with in-process roles; returns the run folder.
+    """Train as `config` says; returns the run folder.
 
-    Starts (and always stops again) the data plane, a local engine unless `rollout.engine.url`
-    is given, and a sandbox pool. With `resume`, continues `config.run_dir` from its newest
-    checkpoint: weights, optimizer, version, data position and consumed ids are restored, and
-    the engines are given the restored weights before the first rollout. Without `resume`, a
-    run folder that already holds checkpoints is refused rather than overwritten.
+    Starts (and always stops again) the data plane on a Ray cluster, a local engine unless
+    `rollout.engine.url` is given, and the roles: Ray Serve deployments
+    (`services.mode=services`, the default; `services`) or this process's (`in_process`). With
+    `resume`, continues `config.run_dir` from its newest checkpoint: weights, optimizer,
+    version, data position and consumed ids are restored, and the engines are given the
+    restored weights before the first rollout. Without `resume`, a run folder that already
+    holds checkpoints is refused rather than overwritten.
     """
-    import torch
     from transformers.utils import logging as hf_logging
 
-    from omniloop.agents.chat import ChatFormat
-    from omniloop.inference.client import EngineClient
-    from omniloop.inference.models import load_tokenizer, resolve_model
-    from omniloop.platform.control.components import build_agent, build_rewards, load_tasks
     from omniloop.platform.control.console import console, progress_bar
-    from omniloop.platform.control.local import (
-        ActorWeights,
-        LocalActor,
-        LocalAdvantage,
-        LocalRollout,
-        step_tasks,
-    )
-    from omniloop.platform.control.rollout import engine_url, sandbox_pool
+    from omniloop.platform.control.faults import Retry, never_retry
+    from omniloop.platform.control.rollout import engine_url
     from omniloop.platform.data import DataPlane, DataPlaneConfig
     from omniloop.platform.store import AsyncStore
-    from omniloop.trainer.torch_backend import TorchTrainerBackend
-    from omniloop.trainer.weight_sync import make_weight_sync
 
     # One line per step on the console; transformers' per-save progress bars would bury it.
     hf_logging.disable_progress_bar()
@@ -65,17 +60,8 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml(config))
     config = with_run_id(config, resume=resume)
-    if config.trainer_threads is not None:
-        torch.set_num_threads(config.trainer_threads)
     seed_everything(config.seed)
-    tasks = load_tasks(config.rollout.tasks, config.rollout.num_tasks)
-    try:
-        step_tasks(tasks, 0, config.tasks_per_step)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    agent = build_agent(config.rollout.agent)
-    rewards = build_rewards(config.rollout.rewards)
-    chat = ChatFormat(load_tokenizer(config.model), agent.tool_schemas)
+    check_tasks(config)
     plane_config = DataPlaneConfig(
         ray_address=config.data_plane.ray_address,
         num_cpus=config.data_plane.num_cpus,
@@ -84,51 +70,151 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
 
     store = AsyncStore.open(config.database)
     await store.migrate()
+    # Every role opens the same database, whatever its environment says.
+    config = config.model_copy(
+        update={"database": store.store.engine.url.render_as_string(hide_password=False)}
+    )
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(store.close)
         await stack.enter_async_context(recorded_run(store, config, resume=resume))
         database = store.store.engine.url.render_as_string(hide_password=True)
         console.print(f"[bold]run[/bold] {config.run_id} recorded in {database}", soft_wrap=True)
-        # Ray and the queue, the engine and the trainer's model start side by side.
+        # Ray and the queue start beside the engine.
         plane_start = asyncio.ensure_future(asyncio.to_thread(DataPlane.start, plane_config))
         stack.push_async_callback(_close_plane, plane_start)
-        backend_load = asyncio.ensure_future(
-            asyncio.to_thread(TorchTrainerBackend, config.model, config.trainer)
-        )
-        stack.push_async_callback(_settle, backend_load)
         url = await stack.enter_async_context(engine_url(config.rollout.engine, log_dir=run_dir))
-        engine = await stack.enter_async_context(EngineClient(url))
-        pool = await stack.enter_async_context(sandbox_pool(config.rollout.sandbox))
-        backend = await backend_load
-        actor_data = await plane_start
-        # Every role has its own client of the queue, as a separate service would.
-        rollout_data, advantage_data = DataPlane.start(), DataPlane.start()
-        stack.callback(rollout_data.close)
-        stack.callback(advantage_data.close)
+        plane = await plane_start
         progress = stack.enter_context(progress_bar())
         sink = stack.enter_context(MetricsSink(run_dir, console, tensorboard=config.tensorboard))
+        record = RunRecord(config, sink, progress, store)
+        if config.services.mode == "services":
+            from omniloop.platform.control.services import classify_failure, service_roles
 
-        weight_sync = make_weight_sync(config.sync, [url], model_dir=resolve_model(config.model))
-        stack.push_async_callback(weight_sync.close)
-        actor = LocalActor(backend, actor_data, config)
-        sync = ActorWeights(backend, weight_sync)
+            retry = Retry(config.faults, record.timeline, classify_failure)
+            roles_cm = service_roles(
+                config,
+                url,
+                retry,
+                on_start=record.episodes_started,
+                on_episode=record.episodes_done,
+            )
+        else:
+            retry = Retry(config.faults, record.timeline, never_retry)
+            roles_cm = local_roles(config, url, plane, record, retry)
+        roles = await stack.enter_async_context(roles_cm)
+        console.print(f"[bold]roles:[/bold] {config.services.mode}")
         start = 0
         if resume and (found := checkpoints(run_dir)):
-            start = await actor.load(found[-1])
-            await sync.publish(actor.version)
+            start = await roles.actor.load(found[-1])
+            await roles.sync.publish(roles.actor.version)
             console.print(
-                f"[bold]resumed from[/bold] {found[-1]} (version {actor.version})", soft_wrap=True
+                f"[bold]resumed from[/bold] {found[-1]} (version {roles.actor.version})",
+                soft_wrap=True,
             )
-        record = RunRecord(config, sink, progress, store, resume_step=start)
-        rollout = LocalRollout(
+        record.rewind(start)
+        await train_loop(roles, record, config, start)
+    return run_dir
+
+
+def check_tasks(config: RunConfig) -> None:
+    """Fail at once, with the fix, if the task set cannot fill a step."""
+    from omniloop.platform.control.components import load_tasks
+    from omniloop.platform.control.local import step_tasks
+
+    tasks = load_tasks(config.rollout.tasks, config.rollout.num_tasks)
+    try:
+        step_tasks(tasks, 0, config.tasks_per_step)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+@contextlib.asynccontextmanager
+async def episode_runner(config: RunConfig, url: str) -> AsyncIterator[EpisodeRunner]:
+    """What runs a run's episodes (in this process or a rollout replica): the task set, agent,
+    rewards, an engine client, a sandbox pool, a data-plane client and the run store."""
+    from omniloop.agents.chat import ChatFormat
+    from omniloop.inference.client import EngineClient
+    from omniloop.inference.models import load_tokenizer
+    from omniloop.platform.control.components import build_agent, build_rewards, load_tasks
+    from omniloop.platform.control.local import EpisodeRunner
+    from omniloop.platform.control.rollout import sandbox_pool
+    from omniloop.platform.data import DataPlane
+    from omniloop.platform.store import AsyncStore
+
+    agent = build_agent(config.rollout.agent)
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(EngineClient(url))
+        pool = await stack.enter_async_context(sandbox_pool(config.rollout.sandbox))
+        data = DataPlane.start()
+        stack.callback(data.close)
+        store = AsyncStore.open(config.database)
+        stack.push_async_callback(store.close)
+        yield EpisodeRunner(
             config,
-            tasks=tasks,
+            tasks=load_tasks(config.rollout.tasks, config.rollout.num_tasks),
             agent=agent,
-            rewards=rewards,
-            chat=chat,
+            rewards=build_rewards(config.rollout.rewards),
+            chat=ChatFormat(load_tokenizer(config.model), agent.tool_schemas),
             engine=engine,
             sandboxes=pool,
-            data=rollout_data,
+            data=data,
+            store=store,
+        )
+
+
+@contextlib.asynccontextmanager
+async def actor_roles(
+    config: RunConfig, engine_urls: list[str], data: DataPlane | None = None
+) -> AsyncIterator[tuple[LocalActor, ActorWeights]]:
+    """The actor (trainer backend + data-plane reader) and its weight sync to `engine_urls`,
+    in this process or an actor replica. `data` is the reader (a new client by default)."""
+    import torch
+
+    from omniloop.inference.models import resolve_model
+    from omniloop.platform.control.local import ActorWeights, LocalActor
+    from omniloop.platform.data import DataPlane
+    from omniloop.trainer.torch_backend import TorchTrainerBackend
+    from omniloop.trainer.weight_sync import make_weight_sync
+
+    if config.trainer_threads is not None:
+        torch.set_num_threads(config.trainer_threads)
+    seed_everything(config.seed)
+    async with contextlib.AsyncExitStack() as stack:
+        backend = await asyncio.to_thread(TorchTrainerBackend, config.model, config.trainer)
+        if data is None:
+            data = DataPlane.start()
+            stack.callback(data.close)
+        weight_sync = make_weight_sync(
+            config.sync, engine_urls, model_dir=resolve_model(config.model)
+        )
+        stack.push_async_callback(weight_sync.close)
+        yield LocalActor(backend, data, config), ActorWeights(backend, weight_sync)
+
+
+@contextlib.asynccontextmanager
+async def local_roles(
+    config: RunConfig, url: str, plane: DataPlane, record: RunRecord, retry: Retry
+) -> AsyncIterator[Roles]:
+    """The roles in this process (`services.mode=in_process`), each with its own data-plane
+    client as a service would have; the actor reads through `plane`."""
+    from omniloop.platform.control.local import LocalAdvantage, StepRollout
+    from omniloop.platform.data import DataPlane
+
+    async with contextlib.AsyncExitStack() as stack:
+        actor, weights = await stack.enter_async_context(actor_roles(config, [url], plane))
+        runner = await stack.enter_async_context(episode_runner(config, url))
+        advantage_data = DataPlane.start()
+        stack.callback(advantage_data.close)
+
+        async def begin(step: int) -> None:
+            runner.open_step(step)
+
+        rollout = StepRollout(
+            config.tasks_per_step * config.rollout.samples_per_task,
+            runner.run,
+            begin=begin,
+            close=runner.close_step,
+            retry=retry,
             on_start=record.episodes_started,
             on_episode=record.episodes_done,
         )
@@ -138,8 +224,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
             config.rollout.samples_per_task,
             config.data_plane.read_timeout,
         )
-        await train_loop(Roles(rollout, advantage, actor, sync), record, config, start)
-    return run_dir
+        yield Roles(rollout, advantage, actor, weights)
 
 
 def with_run_id(config: RunConfig, *, resume: bool) -> RunConfig:

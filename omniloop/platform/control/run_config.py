@@ -12,7 +12,7 @@ silently ignored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -36,6 +36,39 @@ class DataPlaneSettings(StrictModel):
     read_timeout: float = Field(default=1800.0, gt=0)
     """Seconds a role may wait for the next row of a step before the run fails with a
     description of the stall. Generous: a step's slowest episode can take minutes."""
+
+
+class ServicesConfig(StrictModel):
+    """How the roles run: as Ray Serve deployments (each its own process and failure domain) or
+    inside the `omniloop run` process (for unit tests and debugging)."""
+
+    mode: Literal["services", "in_process"] = "services"
+    """`services`: rollout, advantage and actor are Ray Serve deployments on the run's Ray
+    cluster; a replica that dies is replaced and its work retried. `in_process`: the same roles
+    in this process, with no fault isolation."""
+    rollout_replicas: int = Field(default=2, ge=1)
+    """Replicas of the rollout deployment; each runs up to `rollout.concurrency` episodes."""
+    max_queued_requests: int = Field(default=1024, ge=1)
+    """Requests a deployment's callers may queue beyond what its replicas run at once; past it
+    a call is refused (back-pressure) and retried after a pause, never dropped."""
+    health_check_period_s: float = Field(default=2.0, gt=0)
+    """Seconds between Ray Serve's health checks of each replica (`check_health`)."""
+    health_check_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a health check may take before the replica counts as failed and is replaced."""
+
+
+class FaultsConfig(StrictModel):
+    """What a run tolerates: retries of work cut off by a failed replica, and infra errors."""
+
+    max_attempts: int = Field(default=3, ge=1)
+    """Runs of one episode (or of one step's advantages) before its role's failure fails the
+    run; each re-run after a replica died is `attempt + 1` under the same trajectory id."""
+    max_infra_error_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    """Largest share of a step's episodes that may end in an infrastructure failure
+    (`engine_error`, `sandbox_error`, `reward_error`, `cancelled`); past it the run fails with
+    the cause instead of training on what is left."""
+    retry_pause_s: float = Field(default=0.5, gt=0)
+    """Seconds to wait before retrying a call a deployment refused or lost."""
 
 
 class RunConfig(StrictModel):
@@ -77,6 +110,10 @@ class RunConfig(StrictModel):
     the same cores wait on each other."""
     data_plane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
     """The data plane."""
+    services: ServicesConfig = Field(default_factory=ServicesConfig)
+    """How the roles run (Ray Serve deployments by default)."""
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    """Retries and the infrastructure-error bound."""
     tensorboard: bool = True
     """Also write TensorBoard event files to `RUN_DIR/tensorboard` (needs `tensorboard`)."""
     database: str | None = None

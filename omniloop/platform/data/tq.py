@@ -660,3 +660,8 @@ def _teardown(*, owns_queue: bool, owns_ray: bool, temp_dir: str | None) -> None
             ray.shutdown()
         if temp_dir is not None:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def queue_running() -> bool:
+    """Whether the queue's controller runs in the Ray cluster this process has joined."""
+    return _find_controller() is not None

@@ -82,6 +82,9 @@ class AsyncStore:
     async def update_run_status(self, run_id: str, status: RunStatus) -> RunRecord:
         return await asyncio.to_thread(self.store.update_run_status, run_id, status)
 
+    async def record_run_event(self, run_id: str, type: str, data: dict[str, Any]) -> int:
+        return await asyncio.to_thread(self.store.record_run_event, run_id, type, data)
+
     async def record_metrics(self, run_id: str, step: int, values: Mapping[str, float]) -> None:
         await asyncio.to_thread(self.store.record_metrics, run_id, step, values)
 

@@ -629,6 +629,14 @@ class Store:
 
     # ---- metrics ----
 
+    def record_run_event(self, run_id: str, type: str, data: dict[str, Any]) -> int:
+        """Append an event of `type` to a run's events (a fault of the run's roles, say);
+        return its id. `NotFound` if the run does not exist."""
+        with self._writing_core() as connection:
+            if not self._run_exists(connection, run_id):
+                raise NotFound("run", run_id)
+            return self._add_event(connection, type, data, run_id=run_id, episode_id=None)
+
     def record_metrics(self, run_id: str, step: int, values: Mapping[str, float]) -> None:
         """Record `values` (metric name → number) at `step` of a run.
 

@@ -268,7 +268,8 @@ def test_finishing_again_is_idempotent_but_a_second_trajectory_is_refused(
     first = store.finish_episode(episode.id, make_trajectory(episode.id, reward=1.0))
     assert store.finish_episode(episode.id, make_trajectory(episode.id, reward=1.0)) == first
     with pytest.raises(InvalidTransition, match="already holds trajectory"):
-        store.finish_episode(episode.id, make_trajectory(episode.id, attempt=1))
+        # Another id for the same episode (a re-run keeps its id; another run's does not).
+        store.finish_episode(episode.id, make_trajectory(episode.id, run_id="another-run"))
     assert store.get_episode(episode.id).reward == 1.0
 
 

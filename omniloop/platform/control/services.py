@@ -1,0 +1,348 @@
+"""The roles as Ray Serve deployments, and the controller's side of them (DESIGN.md §1, §7).
+
+Each role is its own deployment, with its own processes, resources and log (Ray's
+`logs/serve/` of the session), reached by the controller only through a `DeploymentHandle`
+behind the protocols of `controller`:
+
+- `rollout` (`RolloutServer`, `services.rollout_replicas` replicas): one request per episode;
+  each replica has its own engine client, sandbox pool, data-plane client and store
+  connection, and runs up to its share of `rollout.concurrency` episodes at once
+  (`max_ongoing_requests`). An episode cut off by a dead replica is re-run elsewhere as
+  `attempt + 1` under the same trajectory id (`faults.Retry`).
+- `advantage` (`AdvantageServer`): one request per step. A replacement replica re-reads the
+  step's rows from the start (its consumption record starts empty and TransferQueue's marks
+  for it are reset), so recomputing a step's advantages after a death is idempotent.
+- `actor` (`ActorServer`): owns the trainer backend, its data-plane reader and the weight
+  sync to the engines; train, save, load and publish are its requests.
+
+Every deployment has a `check_health` that tests what the role needs (the engine answers, the
+model is loaded, the data plane is reachable); Serve calls it every
+`services.health_check_period_s` and replaces a replica that fails it or dies. A full queue
+refuses calls (`BackPressureError`), which the controller waits out and retries.
+
+Not covered yet: the actor is not restored on its own when its replica dies (the run fails
+with the cause and `--resume` continues it); the engine and sandbox roles are processes the
+run starts (a local engine) or is given (`rollout.engine.url`) and a sandbox pool per rollout
+replica, not deployments of their own; reward functions run inside the rollout replica.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+# Serve's router asks replicas for their queue length and warns when one answers later than
+# this (0.2 s by default): on a loaded 2-core machine that is every few calls. Read at import.
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
+
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
+from ray.serve.handle import DeploymentHandle
+
+from omniloop.platform.control.controller import (
+    EpisodeSummary,
+    Roles,
+    TrainReport,
+)
+from omniloop.platform.control.faults import Failure, Retry
+from omniloop.platform.control.local import StepRollout
+from omniloop.platform.control.run_config import RunConfig
+
+ROLE_APPS = ("rollout", "advantage", "actor")
+SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
+"""Serve logs a line per request at INFO; the run's console keeps to one line per step. Each
+replica still writes its own log file under the Ray session's `logs/serve/`."""
+"""The Serve applications of a run, one per role (their deployments have the role's name)."""
+
+
+def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
+    """A Serve call's failure as the role's (`busy`: refused; `lost`: its replica is gone)."""
+    if isinstance(err, BackPressureError):
+        return "busy", ""
+    if isinstance(err, ActorDiedError | ActorUnavailableError | RayActorError):
+        actor_id = getattr(err, "actor_id", None) or ""
+        return "lost", str(actor_id)
+    if isinstance(err, ReplicaUnavailableError | DeploymentUnavailableError):
+        return "lost", ""
+    return None
+
+
+def _enter_run_folder(cwd: str, paths: list[str]) -> None:
+    """Work from the controller's folder with its import path, so that relative paths and
+    `file.py:name` components resolve in a replica exactly as in the controller."""
+    os.chdir(cwd)
+    for entry in reversed(paths):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+
+
+class RolloutServer:
+    """A rollout replica: runs single episodes (`EpisodeRunner.run`) on request."""
+
+    # Serve awaits an async constructor; mypy knows no such thing.
+    async def __init__(  # type: ignore[misc]
+        self, config: RunConfig, engine_url: str, cwd: str, paths: list[str]
+    ) -> None:
+        _enter_run_folder(cwd, paths)
+        from omniloop.platform.control.run import episode_runner
+
+        self._stack = contextlib.AsyncExitStack()
+        self._engine_url = engine_url
+        self._runner = await self._stack.enter_async_context(episode_runner(config, engine_url))
+
+    async def open_step(self, step: int) -> None:
+        self._runner.open_step(step)
+
+    async def episode(self, step: int, index: int, attempt: int) -> EpisodeSummary:
+        return await self._runner.run(step, index, attempt)
+
+    async def close_step(self, step: int) -> None:
+        await self._runner.close_step(step)
+
+    async def check_health(self) -> None:
+        import httpx
+
+        from omniloop.platform.data.tq import queue_running
+
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            response = await client.get(f"{self._engine_url}/health")
+        if response.status_code != 200:
+            raise RuntimeError(f"engine {self._engine_url} answered {response.status_code}")
+        if not queue_running():
+            raise RuntimeError("the data plane's controller is not running")
+
+    async def __del__(self) -> None:
+        await self._stack.aclose()
+
+
+class AdvantageServer:
+    """The advantage replica: writes a step's advantages on request."""
+
+    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+        _enter_run_folder(cwd, paths)
+        from omniloop.platform.control.local import LocalAdvantage
+        from omniloop.platform.data import DataPlane
+
+        self._data = DataPlane.start()
+        # A fresh replica, maybe replacing a dead one: read every row of a step again.
+        self._data.restore_consumed(self._data.consumed_state())
+        self._advantage = LocalAdvantage(
+            self._data,
+            config.trainer.advantage,
+            config.rollout.samples_per_task,
+            config.data_plane.read_timeout,
+        )
+
+    async def compute(self, step: int) -> dict[str, float]:
+        return await self._advantage.compute(step)
+
+    async def check_health(self) -> None:
+        from omniloop.platform.data.tq import queue_running
+
+        if not queue_running():
+            raise RuntimeError("the data plane's controller is not running")
+
+
+class ActorServer:
+    """The actor replica: the trainer backend with its data-plane reader and weight sync."""
+
+    # Serve awaits an async constructor; mypy knows no such thing.
+    async def __init__(  # type: ignore[misc]
+        self, config: RunConfig, engine_url: str, cwd: str, paths: list[str]
+    ) -> None:
+        _enter_run_folder(cwd, paths)
+        from omniloop.platform.control.run import actor_roles
+
+        self._stack = contextlib.AsyncExitStack()
+        self._actor, self._weights = await self._stack.enter_async_context(
+            actor_roles(config, [engine_url])
+        )
+
+    async def version(self) -> int:
+        return self._actor.version
+
+    async def train(self, step: int) -> TrainReport:
+        return await self._actor.train(step)
+
+    async def save(self, path: str, step: int) -> None:
+        await self._actor.save(Path(path), step)
+
+    async def load(self, path: str) -> tuple[int, int]:
+        step = await self._actor.load(Path(path))
+        return step, self._actor.version
+
+    async def publish(self, version: int) -> dict[str, float]:
+        return await self._weights.publish(version)
+
+    async def check_health(self) -> None:
+        from omniloop.platform.data.tq import queue_running
+
+        if not queue_running():
+            raise RuntimeError("the data plane's controller is not running")
+
+    async def __del__(self) -> None:
+        await self._stack.aclose()
+
+
+# -- the controller's side ----------------------------------------------------------------------
+
+
+class ServiceAdvantage:
+    """`Advantage` over the advantage deployment; a step lost with its replica is redone."""
+
+    def __init__(self, handle: DeploymentHandle, retry: Retry) -> None:
+        self._handle = handle
+        self._retry = retry
+
+    async def compute(self, step: int) -> dict[str, float]:
+        result: dict[str, float] = await self._retry.call(
+            "advantage",
+            lambda _: self._handle.compute.remote(step),
+            what=f"step {step} advantages",
+        )
+        return result
+
+
+class ServiceActor:
+    """`Actor` over the actor deployment (one replica)."""
+
+    def __init__(self, handle: DeploymentHandle, version: int) -> None:
+        self._handle = handle
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def train(self, step: int) -> TrainReport:
+        report: TrainReport = await self._handle.train.remote(step)
+        self._version = report.version
+        return report
+
+    async def save(self, path: Path, step: int) -> None:
+        await self._handle.save.remote(str(path), step)
+
+    async def load(self, path: Path) -> int:
+        step, self._version = await self._handle.load.remote(str(path))
+        return int(step)
+
+
+class ServiceWeights:
+    """`Weights` over the actor deployment: it publishes its own weights."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+
+    async def publish(self, version: int) -> dict[str, float]:
+        result: dict[str, float] = await self._handle.publish.remote(version)
+        return result
+
+
+@contextlib.asynccontextmanager
+async def service_roles(
+    config: RunConfig, engine_url: str, retry: Retry, *, on_start: Any, on_episode: Any
+) -> AsyncIterator[Roles]:
+    """Deploy the run's roles on the Ray cluster this process has joined, and undeploy them
+    at the end of the block."""
+    import asyncio
+
+    settings = config.services
+    per_replica = max(1, math.ceil(config.rollout.concurrency / settings.rollout_replicas))
+    common: dict[str, Any] = {
+        "max_queued_requests": settings.max_queued_requests,
+        "health_check_period_s": settings.health_check_period_s,
+        "health_check_timeout_s": settings.health_check_timeout_s,
+        # Placement only: the roles share the machine's cores with the engine.
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    cwd, paths = os.getcwd(), [p for p in sys.path if p]
+    rollout_app = serve.deployment(
+        name="rollout",
+        num_replicas=settings.rollout_replicas,
+        max_ongoing_requests=per_replica,
+        **common,
+    )(RolloutServer).bind(
+        config.model_copy(
+            update={"rollout": config.rollout.model_copy(update={"concurrency": per_replica})}
+        ),
+        engine_url,
+        cwd,
+        paths,
+    )
+    advantage_app = serve.deployment(
+        name="advantage", num_replicas=1, max_ongoing_requests=64, **common
+    )(AdvantageServer).bind(config, cwd, paths)
+    actor_app = serve.deployment(name="actor", num_replicas=1, max_ongoing_requests=8, **common)(
+        ActorServer
+    ).bind(config, engine_url, cwd, paths)
+
+    def deploy() -> tuple[DeploymentHandle, DeploymentHandle, DeploymentHandle]:
+        serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
+        return (
+            serve.run(actor_app, name="actor", route_prefix=None, logging_config=SERVE_LOGGING),
+            serve.run(rollout_app, name="rollout", route_prefix=None, logging_config=SERVE_LOGGING),
+            serve.run(
+                advantage_app, name="advantage", route_prefix=None, logging_config=SERVE_LOGGING
+            ),
+        )
+
+    try:
+        actor, rollout, advantage = await asyncio.to_thread(deploy)
+        version = await actor.version.remote()
+
+        async def episode(step: int, index: int, attempt: int) -> EpisodeSummary:
+            summary: EpisodeSummary = await rollout.episode.remote(step, index, attempt)
+            return summary
+
+        async def open_step(step: int) -> None:
+            await rollout.open_step.remote(step)
+
+        async def close_step(step: int) -> None:
+            await rollout.close_step.remote(step)
+
+        episodes = config.tasks_per_step * config.rollout.samples_per_task
+        yield Roles(
+            rollout=StepRollout(
+                episodes,
+                episode,
+                begin=open_step,
+                close=close_step,
+                retry=retry,
+                on_start=on_start,
+                on_episode=on_episode,
+            ),
+            advantage=ServiceAdvantage(advantage, retry),
+            actor=ServiceActor(actor, version),
+            sync=ServiceWeights(actor),
+        )
+    finally:
+        await asyncio.to_thread(_undeploy)
+
+
+def _undeploy() -> None:
+    with contextlib.suppress(Exception):
+        serve.shutdown()
+
+
+def replica_pids(role: str) -> list[int]:
+    """Process ids of the live replicas of `role` on this machine (for chaos tests and
+    benchmarks): Ray titles each replica's process `ray::ServeReplica:{app}:{deployment}`."""
+    import psutil
+
+    title = f"ray::ServeReplica:{role}:"
+    pids = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = process.info["cmdline"] or []
+        if cmdline and cmdline[0].startswith(title):
+            pids.append(process.pid)
+    return pids

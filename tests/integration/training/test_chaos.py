@@ -1,0 +1,145 @@
+"""Chaos: a role's replica SIGKILLed mid-run costs the run nothing.
+
+One real run of the toy task with the roles as Ray Serve deployments. While it trains, a
+watcher SIGKILLs the process of one replica per role, each at a step of its own, in the middle
+of that step's work: a rollout replica while step 1's episodes run, the advantage replica
+while step 3's groups arrive. Ray Serve replaces each; the controller re-runs what was cut
+off. Afterwards: the run completed; every trajectory id of every step was trained exactly once
+(`trained.jsonl`); the store holds every episode once; and each kill is a fault on the
+timeline (`faults.jsonl` and the run's events) with its recovery time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omniloop.platform.control.components import load_tasks
+from omniloop.platform.control.local import step_tasks
+from omniloop.platform.control.run import run
+from omniloop.platform.control.services import replica_pids
+from omniloop.platform.store import Store
+from omniloop.trajectory import trajectory_id
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 6
+TASKS_PER_STEP = 4
+SAMPLES = 4
+KILLS = {"rollout": 1, "advantage": 3}
+"""Role -> the step during whose rollout one of its replicas is killed."""
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class ChaosRun:
+    run_dir: Path
+    trained: list[dict[str, Any]]
+    faults: list[dict[str, Any]]
+    killed: dict[str, int] = field(default_factory=dict)
+    """Role -> pid killed."""
+
+
+def _kill_during_steps(run_dir: Path, killed: dict[str, int], stop: threading.Event) -> None:
+    """SIGKILL a replica of each role of `KILLS` once its step has written a few episodes."""
+    pending = dict(KILLS)
+    while pending and not stop.is_set():
+        for role, step in list(pending.items()):
+            written = run_dir / "trajectories" / f"step_{step}.jsonl"
+            if written.is_file() and len(written.read_text().splitlines()) >= 1:
+                pids = replica_pids(role)
+                if pids:
+                    os.kill(pids[0], signal.SIGKILL)
+                    killed[role] = pids[0]
+                    del pending[role]
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> ChaosRun:
+    run_dir = tmp_path_factory.mktemp("chaos")
+    config = toy_config(
+        run_dir,
+        {
+            "steps": STEPS,
+            "tasks_per_step": TASKS_PER_STEP,
+            "rollout.samples_per_task": SAMPLES,
+            "max_staleness": 1,
+            "checkpoint_every": STEPS,
+            "services.mode": "services",
+            "services.rollout_replicas": 2,
+        },
+    )
+    killed: dict[str, int] = {}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_kill_during_steps, args=(run_dir, killed, stop))
+    watcher.start()
+    try:
+        asyncio.run(run(config))
+    finally:
+        stop.set()
+        watcher.join()
+    return ChaosRun(
+        run_dir,
+        read_jsonl(run_dir / "trained.jsonl"),
+        read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else [],
+        killed,
+    )
+
+
+def test_each_role_was_killed_mid_run(chaos_run: ChaosRun) -> None:
+    assert set(chaos_run.killed) == set(KILLS)
+
+
+def test_every_trajectory_of_every_step_is_trained_exactly_once(
+    chaos_run: ChaosRun, toy_config_path: Path
+) -> None:
+    assert [s["step"] for s in chaos_run.trained] == list(range(STEPS))
+    ids = [traj_id for step in chaos_run.trained for traj_id, _ in step["samples"]]
+    assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+    run_id = (chaos_run.run_dir / "run_id").read_text().strip()
+    tasks = load_tasks(str(toy_config_path.parent / "tasks.jsonl"))
+    for step in chaos_run.trained:
+        k = step["step"]
+        expected = {
+            trajectory_id(run_id, f"step{k}/{task.id}/{sample}")
+            for task in step_tasks(tasks, k, TASKS_PER_STEP)
+            for sample in range(SAMPLES)
+        }
+        assert {i for i, _ in step["samples"]} == expected, f"step {k} lost or gained samples"
+
+
+def test_the_store_holds_every_episode_once_and_the_run_completed(chaos_run: ChaosRun) -> None:
+    with Store(f"sqlite:///{chaos_run.run_dir}/omniloop.db") as store:
+        run_id = (chaos_run.run_dir / "run_id").read_text().strip()
+        assert store.get_run(run_id).status == "completed"
+        episodes = store.list_episodes(run_id=run_id, limit=1000).items
+        assert len(episodes) == STEPS * TASKS_PER_STEP * SAMPLES
+        assert len({e.id for e in episodes}) == len(episodes)
+        assert not [e for e in episodes if e.status != "completed"], "an episode was lost"
+        events = [e for e in store.list_events(run_id=run_id) if e.type == "fault"]
+        assert {e.data["role"] for e in events} == set(KILLS)
+
+
+@pytest.mark.parametrize("role", sorted(KILLS))
+def test_each_kill_is_on_the_fault_timeline_with_its_recovery(
+    chaos_run: ChaosRun, role: str
+) -> None:
+    faults = [f for f in chaos_run.faults if f["role"] == role]
+    assert len(faults) == 1, chaos_run.faults
+    fault = faults[0]
+    assert fault["retried"], "the work the replica was doing was not retried"
+    assert fault["recovery_seconds"] is not None
+    assert 0 <= fault["recovery_seconds"] < 120
