@@ -24,15 +24,17 @@ from omniloop.platform.store.records import (
     EventRecord,
     MetricPoint,
     Page,
+    RoleFaults,
     RunRecord,
     RunStatus,
     RunSummary,
 )
-from omniloop.platform.store.store import Store, hash_episode_request
+from omniloop.platform.store.store import FAULT_EVENT, Store, hash_episode_request
 
 __all__ = [
     "DB_URL_ENV",
     "DEFAULT_DB_URL",
+    "FAULT_EVENT",
     "AlreadyExists",
     "AsyncStore",
     "Conflict",
@@ -45,6 +47,7 @@ __all__ = [
     "MetricPoint",
     "NotFound",
     "Page",
+    "RoleFaults",
     "RunRecord",
     "RunStatus",
     "RunSummary",

@@ -20,6 +20,7 @@ from omniloop.platform.store.records import (
     EventRecord,
     MetricPoint,
     Page,
+    RoleFaults,
     RunRecord,
     RunStatus,
     RunSummary,
@@ -78,6 +79,9 @@ class AsyncStore:
         self, run_ids: Sequence[str], *, trend_points: int = TREND_POINTS
     ) -> dict[str, RunSummary]:
         return await asyncio.to_thread(self.store.run_summaries, run_ids, trend_points=trend_points)
+
+    async def role_faults(self, run_ids: Sequence[str]) -> list[RoleFaults]:
+        return await asyncio.to_thread(self.store.role_faults, run_ids)
 
     async def update_run_status(self, run_id: str, status: RunStatus) -> RunRecord:
         return await asyncio.to_thread(self.store.update_run_status, run_id, status)
@@ -185,11 +189,17 @@ class AsyncStore:
         episode_id: str | None = None,
         *,
         run_id: str | None = None,
+        type: str | None = None,
         after_id: int = 0,
         limit: int = 1000,
     ) -> list[EventRecord]:
         return await asyncio.to_thread(
-            self.store.list_events, episode_id, run_id=run_id, after_id=after_id, limit=limit
+            self.store.list_events,
+            episode_id,
+            run_id=run_id,
+            type=type,
+            after_id=after_id,
+            limit=limit,
         )
 
     async def claim_next_episode(self) -> EpisodeRecord | None:

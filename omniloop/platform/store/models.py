@@ -213,6 +213,8 @@ class EventRow(Base):
     __table_args__ = (
         Index("ix_events_episode_id", "episode_id", "id"),
         Index("ix_events_run_id", "run_id", "id"),
+        # A run's events of one type (its faults) without reading its episodes' events.
+        Index("ix_events_run_type_id", "run_id", "type", "id"),
         # AUTOINCREMENT: SQLite never reuses an id, even after the newest events are deleted,
         # so an SSE client's Last-Event-ID can never point at a different event later.
         {"sqlite_autoincrement": True},

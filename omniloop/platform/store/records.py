@@ -122,6 +122,20 @@ class RunSummary(_Record):
     out, and `episodes/errors` counts)."""
 
 
+class RoleFaults(_Record):
+    """The faults one role of a run has had (events of type `fault`, see `Store.role_faults`)."""
+
+    run_id: str
+    role: str
+    """The role the fault events name (`rollout`, `advantage`, `actor`); `unknown` for an event
+    without a string `role`."""
+    count: int
+    """Fault events of the role."""
+    latest_recovery_seconds: float | None
+    """`recovery_seconds` of the role's newest fault that recovered; None when none has (or
+    that event holds no finite number there)."""
+
+
 class Page(BaseModel, Generic[T]):
     """One page of a keyset-paginated listing."""
 

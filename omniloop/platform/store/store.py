@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,7 +34,18 @@ from alembic.config import Config as AlembicConfig
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from pydantic import ValidationError
-from sqlalchemy import Connection, CursorResult, Table, and_, func, insert, or_, select, text
+from sqlalchemy import (
+    Connection,
+    CursorResult,
+    Table,
+    and_,
+    case,
+    func,
+    insert,
+    or_,
+    select,
+    text,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
@@ -72,6 +84,7 @@ from omniloop.platform.store.records import (
     EventRecord,
     MetricPoint,
     Page,
+    RoleFaults,
     RunRecord,
     RunStatus,
     RunSummary,
@@ -95,6 +108,10 @@ TREND_POINTS = 32
 """Default number of points in a run summary's reward trend (a sparkline's worth)."""
 MAX_TREND_POINTS = 1000
 """Largest `trend_points` of one `run_summaries` call."""
+FAULT_EVENT = "fault"
+"""The type of a run event that records a fault of one of its roles (`control/faults.py`)."""
+UNKNOWN_ROLE = "unknown"
+"""What `role_faults` names the role of a fault event without a string `role`."""
 
 # Event appends on PostgreSQL hold this transaction-scoped advisory lock from taking an id to
 # committing. Without it a transaction that took id 7 could commit after one that took id 8,
@@ -234,6 +251,14 @@ def _trend_steps(first: int, last: int, points: int) -> list[int] | None:
         return None
     span = last - first
     return sorted({first + (span * i) // (points - 1) for i in range(points)})
+
+
+def _finite_seconds(doc: Any) -> float | None:
+    """A fault event's `recovery_seconds` when it is a finite number, else None."""
+    seconds = doc.get("recovery_seconds") if isinstance(doc, dict) else None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        return None
+    return float(seconds) if math.isfinite(seconds) else None
 
 
 def _run_record(row: RunRow) -> RunRecord:
@@ -636,6 +661,65 @@ class Store:
             if not self._run_exists(connection, run_id):
                 raise NotFound("run", run_id)
             return self._add_event(connection, type, data, run_id=run_id, episode_id=None)
+
+    def role_faults(self, run_ids: Sequence[str]) -> list[RoleFaults]:
+        """Per run of `run_ids` and role: how many `fault` events it has and the recovery time
+        of the newest that recovered; ordered by run (as given) and role. Runs without faults,
+        and ids that name no run, are left out.
+
+        Two statements, reading only the fault events of these runs (index
+        `ix_events_run_type_id`), never their episodes' events: the counts and, per role, the
+        id of the newest event with a `recovery_seconds`, then those events' data.
+        """
+        if isinstance(run_ids, str):
+            raise InvalidArgument("run_ids must be a list of run ids, not one string")
+        ids = list(dict.fromkeys(run_ids))
+        if len(ids) > MAX_PAGE:
+            raise InvalidArgument(f"at most {MAX_PAGE} run ids at once, got {len(ids)}")
+        if not ids:
+            return []
+        role = EventRow.data["role"].as_string()
+        recovered = EventRow.data["recovery_seconds"].as_string().is_not(None)
+        counts = (
+            select(
+                EventRow.run_id,
+                role,
+                func.count(),
+                func.max(case((recovered, EventRow.id), else_=None)),
+            )
+            .where(EventRow.run_id.in_(ids), EventRow.type == FAULT_EVENT)
+            .group_by(EventRow.run_id, role)
+        )
+        # Per (run, role): fault count and the id of the newest recovered fault. Roles read as
+        # text; events without one are merged under `UNKNOWN_ROLE`.
+        groups: dict[tuple[str, str], tuple[int, int | None]] = {}
+        with self._reading() as session:
+            for run_id, name, count, event_id in session.execute(counts):
+                key = (run_id, name if name is not None else UNKNOWN_ROLE)
+                before_count, before_id = groups.get(key, (0, None))
+                newest = max((i for i in (before_id, event_id) if i is not None), default=None)
+                groups[key] = (before_count + int(count), newest)
+            wanted = [event_id for _, event_id in groups.values() if event_id is not None]
+            docs: dict[int, Any] = {}
+            if wanted:
+                rows = session.execute(
+                    select(EventRow.id, EventRow.data).where(EventRow.id.in_(wanted))
+                )
+                docs = {event_id: doc for event_id, doc in rows}
+        order = {run_id: n for n, run_id in enumerate(ids)}
+        return [
+            RoleFaults(
+                run_id=run_id,
+                role=role_name,
+                count=count,
+                latest_recovery_seconds=(
+                    None if event_id is None else _finite_seconds(docs.get(event_id))
+                ),
+            )
+            for (run_id, role_name), (count, event_id) in sorted(
+                groups.items(), key=lambda item: (order[item[0][0]], item[0][1])
+            )
+        ]
 
     def record_metrics(self, run_id: str, step: int, values: Mapping[str, float]) -> None:
         """Record `values` (metric name → number) at `step` of a run.
@@ -1242,14 +1326,17 @@ class Store:
         episode_id: str | None = None,
         *,
         run_id: str | None = None,
+        type: str | None = None,
         after_id: int = 0,
         limit: int = 1000,
     ) -> list[EventRecord]:
-        """Events of one episode or one run with id greater than `after_id`, oldest first.
+        """Events of one episode or one run with id greater than `after_id`, oldest first;
+        only those of `type` when given.
 
         Give exactly one of `episode_id` and `run_id`. An SSE server resumes a stream by
-        passing the client's Last-Event-ID as `after_id`. `NotFound` if the episode or run
-        does not exist.
+        passing the client's Last-Event-ID as `after_id`. A run's events of one type (its
+        `fault` events) are read from their own index, without the run's episodes' events.
+        `NotFound` if the episode or run does not exist.
         """
         if (episode_id is None) == (run_id is None):
             raise InvalidArgument("give exactly one of episode_id and run_id")
@@ -1259,6 +1346,8 @@ class Store:
             query = query.where(EventRow.episode_id == episode_id)
         else:
             query = query.where(EventRow.run_id == run_id)
+        if type is not None:
+            query = query.where(EventRow.type == type)
         query = query.order_by(EventRow.id).limit(limit)
         with self._reading() as session:
             rows = list(session.scalars(query))
