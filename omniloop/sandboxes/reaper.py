@@ -32,12 +32,12 @@ from docker.errors import DockerException, NotFound
 from requests.exceptions import RequestException
 
 from omniloop.errors import SandboxError
-from omniloop.sandboxes import docker as docker_backend
 from omniloop.sandboxes.docker import (
     LABEL_EXPIRES,
     LABEL_OWNER,
     LABEL_SANDBOX,
     DockerHost,
+    count_cleanup_failure,
     owned_live_names,
     owner_alive,
     process_owner,
@@ -256,8 +256,7 @@ class Reaper:
             except NotFound:
                 continue
             except (DockerException, RequestException, OSError, SandboxError) as err:
-                docker_backend.cleanup_failures += 1
-                logger.error("sandbox clean-up failed: volume %s: %s", name, err)
+                count_cleanup_failure(f"volume {name}", err)
                 report.failures += 1
                 continue
             logger.info("reaped volume %s (%s)", name, reason)
