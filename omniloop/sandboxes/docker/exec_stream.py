@@ -7,11 +7,14 @@ at a time (at most `CHUNK` bytes) into the sinks, noting when output last came; 
 writes the input and half-closes the connection, so the command sees end of input while its
 output keeps flowing. Everything runs on the event loop: a running command holds no thread.
 
-Why not a library: the Docker SDK's `exec_start(socket=True)` returns the raw socket below its
-buffered HTTP reader, which may already hold the first frames (that output is lost:
-docker/docker-py#3332), and its frame readers (`docker.utils.socket.frames_iter`) block a
-thread per stream; aiodocker's exec stream cannot half-close stdin (its `close()` ends the whole
-connection), which a command reading its input to the end (`cat > file`) needs.
+Why not a library: the Docker SDK's socket API (`exec_start(socket=True)`, then
+`docker.utils.socket.frames_iter`) reads with blocking calls, so every running command would
+hold a thread, and the TLS socket it hands over cannot be adopted by asyncio; that raw socket
+also sits below a buffered HTTP reader that may already hold the first frames (reported lost
+in docker/docker-py#3332). aiodocker (0.27) reads exec frames asynchronously but cannot
+half-close stdin (its stream's `close()` ends the whole connection), which a command reading
+its input to the end needs (`cat > file`, as `write_file` runs). What is left here is the
+upgrade request and Docker's frame headers.
 """
 
 from __future__ import annotations
