@@ -3,22 +3,87 @@
 `omniloop_api_requests_total` and `omniloop_api_request_duration_seconds` are labelled by
 the route *template* (`/v1/episodes/{episode_id}`), never by the raw path, so a scan of random
 URLs cannot blow up the number of series; unmatched paths share the label `unmatched`.
+
+Run faults (`omniloop_run_faults_total`, `omniloop_run_fault_recovery_seconds`, labelled by
+run and role) are read from the store at scrape time, for a bounded set of runs: those
+running (at most `MAX_RUNNING_FAULT_RUNS`) and the `metrics_recent_runs` newest. A run that
+leaves that set leaves the scrape with its series.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omniloop.platform.store.records import EPISODE_STATUSES
+from omniloop.platform.store.records import EPISODE_STATUSES, RoleFaults
+
+if TYPE_CHECKING:
+    from omniloop.platform.store import AsyncStore
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 """Methods labelled as themselves; any other is labelled `other` (bounded label values)."""
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+MAX_RUNNING_FAULT_RUNS = 200
+"""Most running runs (the newest) whose faults a scrape exports, beside the recent ones."""
+FAULT_LABELS = ["run_id", "role"]
+
+
+class RunFaultsCollector(Collector):
+    """The fault series of the runs a scrape covers, from the rows the last `refresh` read.
+
+    Collected from a snapshot rather than from the store because collection is synchronous and
+    the store is read in a worker thread: the `/metrics` handler awaits `refresh`, then renders
+    the registry with no await in between, so a scrape shows the rows it read itself.
+    """
+
+    def __init__(self) -> None:
+        self.rows: list[RoleFaults] = []
+
+    async def refresh(self, store: AsyncStore, recent_runs: int) -> None:
+        """Read the faults of the running runs and of the `recent_runs` newest; on a store
+        error the fault series are left out of the scrape (readiness reports the database)."""
+        try:
+            running = await store.list_runs(status="running", limit=MAX_RUNNING_FAULT_RUNS)
+            ids = [r.id for r in running.items]
+            if recent_runs:
+                ids += [r.id for r in (await store.list_runs(limit=recent_runs)).items]
+            self.rows = await store.role_faults(list(dict.fromkeys(ids)))
+        except Exception:
+            self.rows = []
+
+    def describe(self) -> Iterable[Metric]:
+        return self._families([])
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self.rows)
+
+    @staticmethod
+    def _families(rows: Sequence[RoleFaults]) -> list[Metric]:
+        faults = CounterMetricFamily(
+            "omniloop_run_faults",
+            "Faults of a run's role (replicas that failed and had their work retried), from "
+            "the run's fault events (read at scrape time).",
+            labels=FAULT_LABELS,
+        )
+        recovery = GaugeMetricFamily(
+            "omniloop_run_fault_recovery_seconds",
+            "Seconds from detection to recovery of the role's newest recovered fault (read at "
+            "scrape time; absent until one has recovered).",
+            labels=FAULT_LABELS,
+        )
+        for row in rows:
+            faults.add_metric([row.run_id, row.role], row.count)
+            if row.latest_recovery_seconds is not None:
+                recovery.add_metric([row.run_id, row.role], row.latest_recovery_seconds)
+        return [faults, recovery]
 
 
 class ApiMetrics:
@@ -69,6 +134,8 @@ class ApiMetrics:
         )
         for status in sorted(EPISODE_STATUSES):
             self.episodes.labels(status)
+        self.run_faults = RunFaultsCollector()
+        self.registry.register(self.run_faults)
 
 
 class RequestMetricsMiddleware:

@@ -41,6 +41,7 @@ from omniloop.platform.api.schemas import (
     EpisodeList,
     EpisodeOut,
     EpisodeRequest,
+    FaultList,
     Health,
     MetricPointOut,
     Readiness,
@@ -50,11 +51,12 @@ from omniloop.platform.api.schemas import (
     episode_detail,
     episode_href,
     episode_out,
+    fault_out,
     run_out,
 )
 from omniloop.platform.api.settings import ApiSettings
 from omniloop.platform.api.worker import EpisodeWorker, LoadedAgent
-from omniloop.platform.store import AsyncStore, EpisodeStatus, RunStatus
+from omniloop.platform.store import FAULT_EVENT, AsyncStore, EpisodeStatus, RunStatus
 
 MAX_METRIC_NAMES = 100
 NO_NUL = r"^[^\x00]*$"
@@ -176,7 +178,8 @@ def v1_router() -> APIRouter:
     """The `/v1` API. The token is checked before routing (`auth.TokenGuardMiddleware`).
 
     Ids are `path` parameters because training episodes have ids with slashes (`t0/0`); so
-    the routes with a suffix (`/events`, `/cancel`, `/metrics`) come before the bare ones.
+    the routes with a suffix (`/events`, `/cancel`, `/metrics`, `/faults`) come before the
+    bare ones.
     """
     router = APIRouter(prefix="/v1")
 
@@ -490,6 +493,46 @@ def v1_router() -> APIRouter:
         )
 
     @router.get(
+        "/runs/{run_id:path}/faults",
+        response_model=FaultList,
+        summary="List a run's faults",
+        responses=responses(404, 422),
+    )
+    async def list_run_faults(
+        request: Request,
+        response: Response,
+        run_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)],
+        cursor: Annotated[
+            str | None,
+            Query(
+                pattern=r"^[1-9][0-9]{0,17}$",
+                description="`next_cursor` of the previous page, or the `id` of the newest "
+                "fault seen (to poll for later ones); left out for the first page.",
+            ),
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
+    ) -> FaultList:
+        """The run's fault timeline, oldest first: each failed replica of its roles with its
+        cause, when it was detected and recovered, and the work retried. Read from the run's
+        `fault` events through their own index (as fast for runs with many episodes); a
+        `run_id` that names no run is a 404."""
+        after = int(cursor) if cursor is not None else 0
+        # One more than asked tells whether another page exists.
+        events = await api_state(request).store.list_events(
+            run_id=run_id, type=FAULT_EVENT, after_id=after, limit=limit + 1
+        )
+        items = events[:limit]
+        next_cursor = str(items[-1].id) if len(events) > limit else None
+        link = _next_link(request, next_cursor)
+        _paged(response, link)
+        return FaultList(
+            run_id=run_id,
+            items=[fault_out(e) for e in items],
+            next_cursor=next_cursor,
+            next=link,
+        )
+
+    @router.get(
         "/runs/{run_id:path}",
         response_model=RunOut,
         summary="Get a run",
@@ -569,7 +612,8 @@ def ops_router() -> APIRouter:
         ),
     )
     async def metrics(request: Request) -> Response:
-        """Request counts and latencies, episodes by status, worker state."""
+        """Request counts and latencies, episodes by status, worker state, and the faults of
+        running and recent runs by role."""
         state = api_state(request)
         try:
             counts = await state.store.count_episodes()
@@ -577,6 +621,8 @@ def ops_router() -> APIRouter:
             counts = {}
         for status, count in counts.items():
             state.metrics.episodes.labels(status).set(count)
+        await state.metrics.run_faults.refresh(state.store, state.settings.metrics_recent_runs)
+        # No await from here on: the scrape renders the rows it just read (see metrics.py).
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return router

@@ -7,6 +7,7 @@ stored. The body as a whole is bounded by `ApiLimits.max_body_bytes` (413).
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -27,10 +28,12 @@ from omniloop.platform.api.settings import AGENT_NAME_PATTERN
 from omniloop.platform.store import (
     EpisodeRecord,
     EpisodeStatus,
+    EventRecord,
     RunRecord,
     RunStatus,
     RunSummary,
 )
+from omniloop.platform.store.store import UNKNOWN_ROLE
 from omniloop.trajectory import Trajectory
 
 MAX_TASK_ID = 128
@@ -271,6 +274,8 @@ class RunOut(_Output):
     """From creation to `finished_at`, or to now while the run is live."""
     href: str
     metrics_href: str
+    faults_href: str
+    """The run's fault timeline (`GET /v1/runs/{run_id}/faults`)."""
     episodes_href: str
 
 
@@ -289,6 +294,44 @@ class RunMetrics(_Output):
     run_id: str
     metrics: dict[str, list[MetricPointOut]]
     """Metric name → points in step order."""
+
+
+class FaultOut(_Output):
+    """One fault of a run's roles: a replica that failed, from detection to recovery.
+
+    Read from the run's `fault` events (`control/faults.py` writes them once the role is back);
+    a field the recorded event lacks, or holds in another shape, reads as null."""
+
+    id: int
+    """The fault's event id; faults are listed in increasing id (recording) order, and
+    `cursor` takes the id of the last fault seen."""
+    step: int | None
+    """The training step that saw the fault."""
+    role: str
+    """The role that failed: `rollout`, `advantage` or `actor` (`unknown` when the event names
+    none)."""
+    replica: str | None
+    """The failed replica (Ray actor id); null when the fault was seen by the health monitor
+    before any call named a replica."""
+    cause: str | None
+    """The error that revealed it, `Type: first line of the message`."""
+    detected_at: datetime | None
+    """When the failure was seen."""
+    recovered_at: datetime | None
+    """When the role was back (its retried work served again); null while it is down."""
+    recovery_seconds: float | None
+    """From `detected_at` to `recovered_at`; null while down."""
+    retried: list[str]
+    """The work re-run because of the fault (`step 3 advantages`, `step 3 episode 5`...)."""
+    recorded_at: datetime
+    """When the fault event was stored."""
+
+
+class FaultList(Page):
+    """`GET /v1/runs/{run_id}/faults`: the run's faults, oldest first."""
+
+    run_id: str
+    items: list[FaultOut]
 
 
 class AgentOut(_Output):
@@ -371,6 +414,55 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def _text_field(data: dict[str, Any], key: str) -> str | None:
+    value = data.get(key)
+    return value if isinstance(value, str) and value else None
+
+
+def _role(data: dict[str, Any]) -> str:
+    # As `Store.role_faults` reads it (so the API and `/metrics` agree): a number as its text.
+    value = data.get("role")
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return json.dumps(value)
+    return value if isinstance(value, str) else UNKNOWN_ROLE
+
+
+def _number_field(data: dict[str, Any], key: str) -> float | None:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _unix_time(data: dict[str, Any], key: str) -> datetime | None:
+    seconds = _number_field(data, key)
+    if seconds is None:
+        return None
+    try:
+        return datetime.fromtimestamp(seconds, UTC)
+    except (OverflowError, OSError, ValueError):  # a year past 9999, say
+        return None
+
+
+def fault_out(record: EventRecord) -> FaultOut:
+    """The API's view of a stored `fault` event (see `FaultOut` for what a gap reads as)."""
+    data = record.data if isinstance(record.data, dict) else {}
+    step = data.get("step")
+    retried = data.get("retried")
+    return FaultOut(
+        id=record.id,
+        step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+        role=_role(data),
+        replica=_text_field(data, "replica"),
+        cause=_text_field(data, "cause"),
+        detected_at=_unix_time(data, "detected_at"),
+        recovered_at=_unix_time(data, "recovered_at"),
+        recovery_seconds=_number_field(data, "recovery_seconds"),
+        retried=[w for w in retried if isinstance(w, str)] if isinstance(retried, list) else [],
+        recorded_at=record.created_at,
+    )
+
+
 def run_out(record: RunRecord, summary: RunSummary | None, now: datetime | None = None) -> RunOut:
     """The API's view of a run; `summary` None (a run deleted between the two reads) reads
     as a run with no steps and no errors."""
@@ -396,5 +488,6 @@ def run_out(record: RunRecord, summary: RunSummary | None, now: datetime | None 
         duration_seconds=max((end - record.created_at).total_seconds(), 0.0),
         href=href,
         metrics_href=f"{href}/metrics",
+        faults_href=f"{href}/faults",
         episodes_href=f"/v1/episodes?run_id={quote(record.id, safe='')}",
     )

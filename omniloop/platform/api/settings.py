@@ -124,6 +124,9 @@ class ApiSettings(StrictModel):
     loopback it is open, like every read). On by default: request and episode counts describe
     how the server is used. Prometheus sends the token with `authorization: {credentials_file:
     ...}` in its scrape config; turn this off only for a scraper that cannot."""
+    metrics_recent_runs: int = Field(default=20, ge=0, le=200)
+    """`/metrics` exports the faults of every running run and of this many newest runs
+    whatever their status (so a run that just failed is still seen); 0: running runs only."""
     agents: dict[str, AgentEntry] = Field(default_factory=dict)
     """Agents clients may name in `POST /v1/episodes`, by name."""
     engine: EngineConfig = Field(default_factory=EngineConfig)

@@ -127,8 +127,8 @@ class RoleFaults(_Record):
 
     run_id: str
     role: str
-    """The role the fault events name (`rollout`, `advantage`, `actor`); `unknown` for an event
-    without a string `role`."""
+    """The role the fault events name (`rollout`, `advantage`, `actor`), as text; `unknown` for
+    an event without a `role`."""
     count: int
     """Fault events of the role."""
     latest_recovery_seconds: float | None

@@ -111,7 +111,8 @@ MAX_TREND_POINTS = 1000
 FAULT_EVENT = "fault"
 """The type of a run event that records a fault of one of its roles (`control/faults.py`)."""
 UNKNOWN_ROLE = "unknown"
-"""What `role_faults` names the role of a fault event without a string `role`."""
+"""What `role_faults` names the role of a fault event without a `role` (other values are
+read as text)."""
 
 # Event appends on PostgreSQL hold this transaction-scoped advisory lock from taking an id to
 # committing. Without it a transaction that took id 7 could commit after one that took id 8,

@@ -179,6 +179,7 @@ export const api = {
   runs: (params) => getJSON(`/v1/runs${query(params)}`),
   run: (id) => getJSON(`/v1/runs/${enc(id)}`),
   metrics: (id, params, opts) => getJSON(`/v1/runs/${enc(id)}/metrics${query(params)}`, opts),
+  faults: (id, params, opts) => getJSON(`/v1/runs/${enc(id)}/faults${query(params)}`, opts),
   episodes: (params, opts) => getJSON(`/v1/episodes${query(params)}`, opts),
   episode: (id, params) => getJSON(`/v1/episodes/${enc(id)}${query(params || {})}`),
   tokens: (id) => getJSON(`/v1/tokens/${enc(id)}`),

@@ -21,6 +21,7 @@ const GROUPS = [
 
 const MAX_SERIES = 8;
 const COMPACT = new Intl.NumberFormat("en", { notation: "compact", maximumFractionDigits: 3 });
+const MARKER_COLOR = "rgba(185, 28, 28, 0.7)";
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#4b5563"];
 
 // The unit of a metric, read from its name ("" when the name does not say). Series of
@@ -114,10 +115,40 @@ export class ChartPanel {
     this.names = names;
     this.store = store;
     this.unit = unit;
+    this.key = h("span", { class: "fault-key", hidden: true, title: "steps that saw a fault of the run's roles" }, "fault");
     this.el = h("section", { class: "chart-panel", "data-chart": title, "data-unit": unit },
-      h("h3", {}, title),
+      h("div", { class: "chart-head" }, h("h3", {}, title), this.key),
       h("div", { class: "chart-body" }));
     this.plot = null;
+    this.markers = [];
+  }
+
+  // Mark `steps` (faults) with dashed vertical lines across the plot.
+  setMarkers(steps) {
+    this.markers = steps;
+    if (steps.length) this.el.dataset.markers = steps.join(",");
+    else delete this.el.dataset.markers;
+    this.key.hidden = steps.length === 0;
+    this.plot?.redraw(false, false);
+  }
+
+  drawMarkers(u) {
+    if (!this.markers.length) return;
+    const { ctx } = u;
+    const { left, top, width, height } = u.bbox;
+    ctx.save();
+    ctx.strokeStyle = MARKER_COLOR;
+    ctx.lineWidth = Math.max(1, window.devicePixelRatio || 1);
+    ctx.setLineDash([4 * ctx.lineWidth, 3 * ctx.lineWidth]);
+    for (const step of this.markers) {
+      const x = Math.round(u.valToPos(step, "x", true));
+      if (!Number.isFinite(x) || x < left || x > left + width) continue;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
+      ctx.stroke();
+    }
+    ctx.restore();
   }
 
   render() {
@@ -158,6 +189,7 @@ export class ChartPanel {
           points: { show: data[0].length < 60 },
         })),
       ],
+      hooks: { draw: [(u) => this.drawMarkers(u)] },
     };
     this.plot = new window.uPlot(opts, data, body);
   }

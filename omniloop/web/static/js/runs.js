@@ -3,6 +3,7 @@
 import { api } from "./api.js";
 import { ChartPanel, MetricStore, groupMetrics, sparkline } from "./charts.js";
 import { episodeBrowser } from "./episodes.js";
+import { faultsPanel } from "./faults.js";
 import { badge, clear, errorBox, fmtDuration, fmtNum, fmtTime, h, shortId } from "./dom.js";
 
 const POLL_MS = 2000;
@@ -107,10 +108,26 @@ export function runPage(root, runId, filters, onFilters) {
   const message = h("div");
   const browser = episodeBrowser({ runId, filters, onFilters });
   const config = h("pre", { class: "config" });
+  // Steps that saw a fault, marked on the reward chart(s).
+  let faultSteps = [];
+  const markFaults = () => {
+    for (const panel of panels.values()) {
+      if (panel.title.startsWith("Reward")) panel.setMarkers(faultSteps);
+    }
+  };
+  const faults = faultsPanel({
+    runId,
+    pollMs: POLL_MS,
+    onFaults: (list) => {
+      faultSteps = [...new Set(list.map((f) => f.step).filter((s) => s !== null))].sort((a, b) => a - b);
+      markFaults();
+    },
+  });
   clear(root,
     head, message,
     h("details", { class: "config-box" }, h("summary", {}, "Resolved configuration"), config),
     h("h2", {}, "Metrics"), grid,
+    h("h2", {}, "Faults"), faults.el,
     h("h2", {}, "Episodes"), browser.el);
 
   let stopped = false;
@@ -138,6 +155,7 @@ export function runPage(root, runId, filters, onFilters) {
       panels.set(g.title, panel);
       grid.append(panel.el);
     }
+    markFaults();
     return true;
   }
 
@@ -174,6 +192,7 @@ export function runPage(root, runId, filters, onFilters) {
     clearTimeout(timer);
     controller.abort();
     browser.stop();
+    faults.stop();
     window.removeEventListener("resize", onResize);
     for (const panel of panels.values()) panel.destroy();
   };
