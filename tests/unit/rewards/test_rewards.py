@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -163,15 +164,23 @@ async def test_an_async_reward_past_its_timeout_is_a_reward_error():
 
 
 async def test_a_sync_reward_past_the_default_timeout_is_a_reward_error():
+    # The reward blocks for 10 s unless released: `score` must give up at its 0.1 s timeout,
+    # so returning within 5 s (room for a loaded machine) tells abandoning from waiting.
+    release = threading.Event()
+
     @reward
     def blocks(response: str) -> float:
-        time.sleep(1.0)
+        release.wait(10)
         return 1.0
 
     started = time.monotonic()
-    with pytest.raises(RewardError, match=r"'blocks' did not finish within 0\.1s"):
-        await score(blocks, TASK, "", timeout=0.1)
-    assert time.monotonic() - started < 0.9
+    try:
+        with pytest.raises(RewardError, match=r"'blocks' did not finish within 0\.1s"):
+            await score(blocks, TASK, "", timeout=0.1)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()  # the abandoned thread ends now instead of after 10 s
+    assert elapsed < 5, f"score returned after {elapsed:.1f}s: it waited for the reward"
 
 
 async def test_a_failure_cancels_the_other_rewards():

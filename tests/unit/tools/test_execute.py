@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -50,10 +51,14 @@ async def sleepy(seconds: float) -> str:
     return "woke"
 
 
+RELEASE_SYNC_SLEEPY = threading.Event()
+"""Set by a test to end `sync_sleepy`'s wait early (after its timeout was asserted)."""
+
+
 @tool(timeout=0.2)
 def sync_sleepy(seconds: float) -> str:
     """Sleep in a thread."""
-    time.sleep(seconds)
+    RELEASE_SYNC_SLEEPY.wait(seconds)
     return "woke"
 
 
@@ -189,9 +194,16 @@ async def test_async_tool_past_its_timeout_is_stopped(toolset, ctx):
 
 
 async def test_sync_tool_past_its_timeout_is_abandoned(toolset, ctx):
+    # The tool blocks for 10 s unless released: the toolset must give up at its 0.2 s timeout,
+    # so returning within 5 s (room for a loaded machine) tells abandoning from waiting.
+    RELEASE_SYNC_SLEEPY.clear()
     started = time.monotonic()
-    record = await toolset.execute(call("sync_sleepy", seconds=1.0), ctx)
-    assert time.monotonic() - started < 0.9
+    try:
+        record = await toolset.execute(call("sync_sleepy", seconds=10.0), ctx)
+        elapsed = time.monotonic() - started
+    finally:
+        RELEASE_SYNC_SLEEPY.set()  # the abandoned thread ends now instead of after 10 s
+    assert elapsed < 5, f"execute returned after {elapsed:.1f}s: it waited for the tool"
     assert record.error == "tool_timeout"
 
 
