@@ -50,6 +50,7 @@ from omniloop.platform.control.staleness import StalenessGate
 from omniloop.trajectory import Trajectory
 
 if TYPE_CHECKING:
+    from omniloop.platform.control.health import HealthMonitor
     from omniloop.platform.control.record import RunRecord
 
 # -- what roles report ------------------------------------------------------------------------
@@ -187,6 +188,8 @@ class Roles:
     advantage: Advantage
     actor: Actor
     sync: Weights
+    monitor: HealthMonitor | None = None
+    """Watches the roles' services while the loop runs (None for roles in this process)."""
 
 
 # -- the loop ---------------------------------------------------------------------------------

@@ -58,25 +58,56 @@ def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
             proc.wait()
 
 
-def start_engine(
-    model: str, *, threads: int | None = None, log_path: Path | None = None, timeout: float = 180
+def _die_with_parent() -> None:
+    """In the child, before exec: be sent SIGKILL when the thread that started it ends."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def spawn_engine(
+    model: str,
+    *,
+    threads: int | None = None,
+    log_path: Path | None = None,
+    die_with_parent: bool = False,
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start serving `model` in a child process and wait until it is healthy."""
+    """Start serving `model` in a child process (not yet healthy: see `wait_healthy`).
+
+    `die_with_parent`: the child is killed when the thread that spawns it ends, so an engine
+    started by a role's replica goes down with it even when the replica is SIGKILLed; spawn
+    from a thread that lives as long as the engine should (an event loop's).
+    """
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    preexec = _die_with_parent if die_with_parent else None
     if log_path is None:
         proc = subprocess.Popen(
             engine_command(model, port, threads),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
+            preexec_fn=preexec,
         )
     else:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                engine_command(model, port, threads), stdout=log, stderr=log, env=env
+                engine_command(model, port, threads),
+                stdout=log,
+                stderr=log,
+                env=env,
+                preexec_fn=preexec,
             )
+    return proc, url
+
+
+def start_engine(
+    model: str, *, threads: int | None = None, log_path: Path | None = None, timeout: float = 180
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start serving `model` in a child process and wait until it is healthy."""
+    proc, url = spawn_engine(model, threads=threads, log_path=log_path)
     try:
         wait_healthy(url, proc, timeout)
     except BaseException:

@@ -12,8 +12,9 @@ retried):
   recomputed from its rows).
 - anything else is the work's own error and is raised as it is.
 
-The timeline holds one `Fault` per failed replica: when it was detected, the work that was
-retried, and when the role served that work again (`recovered_at`). Every fault goes to
+The timeline holds one `Fault` per failure of a role: when it was detected, the work that was
+retried, and when the role was back to full strength (`recovered_at`, seen by the
+`health.HealthMonitor`). Every fault goes to
 `RUN_DIR/faults.jsonl`, the run store (an event of type `fault`) and the step's metrics
 (`faults/count`, `faults/recovery_seconds`), through `RunRecord`.
 """
@@ -65,29 +66,61 @@ class Fault:
 
 
 class FaultTimeline:
-    """The run's faults in order of detection; `take_finished` hands each recovered one out
-    once (to be recorded with the step that saw it)."""
+    """The run's faults in order of detection: at most one open fault per role, which every
+    report of the same role joins until the role is back to full strength.
 
-    def __init__(self) -> None:
+    Two sources report: `Retry` (work cut off: `failed`) and the `HealthMonitor` (the role's
+    replicas as Ray Serve sees them: `role_down`, `role_up`). Only the monitor closes a fault,
+    when a poll that started after the fault was opened finds every replica running and
+    healthy, and either it had seen the role down or `settle_s` have passed (a replica replaced
+    faster than a poll). `take_finished` hands each closed fault out once.
+    """
+
+    def __init__(
+        self, settle_s: float = 10.0, on_change: Callable[[str], None] | None = None
+    ) -> None:
+        self._on_change = on_change or (lambda _: None)
+        """Told each change in words (a fault opened, work retried, a role recovered)."""
         self.faults: list[Fault] = []
-        self._open: dict[tuple[str, str], Fault] = {}
+        self._settle_s = settle_s
+        self._open: dict[str, Fault] = {}
+        self._seen_down: set[str] = set()
         self._handed_out: set[int] = set()
 
-    def failed(self, role: str, replica: str, cause: str, work: str) -> Fault:
-        """Note `work` cut off by `replica` of `role`; one fault per replica while it is open."""
-        fault = self._open.get((role, replica))
+    def failed(self, role: str, replica: str, cause: str, work: str | None = None) -> Fault:
+        """Note a failure of `role` (and the `work` it cut off, if any)."""
+        fault = self._open.get(role)
         if fault is None:
             fault = Fault(role, replica, cause, detected_at=time.time())
-            self._open[(role, replica)] = fault
+            self._open[role] = fault
             self.faults.append(fault)
-        fault.retried.append(work)
+            self._on_change(f"{role} failed: {cause}")
+        elif replica and not fault.replica:
+            fault.replica = replica
+        if work is not None:
+            fault.retried.append(work)
+            self._on_change(f"{role}: re-running {work}")
         return fault
 
-    def recovered(self, fault: Fault) -> None:
-        """The role served work of `fault` again."""
-        if fault.recovered_at is None:
-            fault.recovered_at = time.time()
-            self._open.pop((fault.role, fault.replica), None)
+    def role_down(self, role: str, cause: str) -> None:
+        """The monitor found `role` short of replicas or unhealthy."""
+        self.failed(role, "", cause)
+        self._seen_down.add(role)
+
+    def role_up(self, role: str, polled_at: float) -> None:
+        """The monitor found every replica of `role` running and healthy at `polled_at`."""
+        fault = self._open.get(role)
+        if fault is None or polled_at <= fault.detected_at:
+            return
+        if role in self._seen_down or polled_at - fault.detected_at >= self._settle_s:
+            fault.recovered_at = polled_at
+            del self._open[role]
+            self._seen_down.discard(role)
+            self._on_change(f"{role} recovered after {fault.recovery_seconds:.1f}s")
+
+    def open_roles(self) -> list[str]:
+        """Roles with a fault not yet recovered."""
+        return list(self._open)
 
     def take_finished(self) -> list[Fault]:
         """Recovered faults not handed out before, oldest first."""
@@ -110,7 +143,6 @@ class Retry:
         """`await work(attempt)` until it succeeds; raise `RoleFailed` after
         `faults.max_attempts` lost attempts, or the work's own error at once."""
         attempt = 0
-        faults: list[Fault] = []
         while True:
             try:
                 result = await work(attempt)
@@ -121,7 +153,7 @@ class Retry:
                 kind, replica = failure
                 if kind == "lost":
                     cause = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                    faults.append(self._timeline.failed(role, replica, cause, what or role))
+                    self._timeline.failed(role, replica, cause, what or role)
                     attempt += 1
                     if attempt >= self._config.max_attempts:
                         raise RoleFailed(
@@ -130,8 +162,6 @@ class Retry:
                         ) from err
                 await asyncio.sleep(self._config.retry_pause_s)
                 continue
-            for fault in faults:
-                self._timeline.recovered(fault)
             return result
 
 

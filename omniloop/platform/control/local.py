@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import math
 import random
@@ -35,7 +36,7 @@ import torch
 
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
-from omniloop.inference.client import EngineClient
+from omniloop.inference.base import Engine
 from omniloop.platform.control.components import episode_plan
 from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
 from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
@@ -49,7 +50,7 @@ from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.backend import TrainerBackend
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import AdvantageConfig
-from omniloop.trainer.weight_sync import WeightSync
+from omniloop.trainer.weight_sync import WeightSync, WeightSyncError
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory, TrajectoryMeta
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ class EpisodeRunner:
         agent: Agent,
         rewards: Sequence[RewardFn],
         chat: ChatFormat,
-        engine: EngineClient,
+        engine: Engine,
         sandboxes: SandboxProvider,
         data: DataPlane,
         store: AsyncStore | None,
@@ -312,8 +313,17 @@ class LocalActor:
     remaining id exactly once.
     """
 
-    def __init__(self, backend: TrainerBackend, data: DataPlane, config: RunConfig) -> None:
+    def __init__(
+        self,
+        backend: TrainerBackend,
+        data: DataPlane,
+        config: RunConfig,
+        *,
+        lock: asyncio.Lock | None = None,
+    ) -> None:
         self._backend = backend
+        # Held around each optimizer step: weights are published only between steps.
+        self._lock = lock or asyncio.Lock()
         self._data = data
         self._micro_batch_size = config.trainer.micro_batch_size
         self._read_timeout = config.data_plane.read_timeout
@@ -360,7 +370,8 @@ class LocalActor:
             # own logprobs, stale samples would be trained as if on-policy, unclipped).
             behaviour = [t.rollout_logprobs for t in kept]
             batch_ = TrainBatch.from_trajectories(kept, advantages, old_logprobs=behaviour)
-            raw = await asyncio.to_thread(self._backend.train_step, batch_)
+            async with self._lock:
+                raw = await asyncio.to_thread(self._backend.train_step, batch_)
             # The backend's own timing keys describe the optimizer step alone.
             renames = {
                 "perf/step_seconds": "perf/train_seconds",
@@ -407,19 +418,99 @@ def _python_rng_state() -> list[Any]:
     return [version, list(internal), gauss]
 
 
+SyncFactory = Callable[[list[str]], WeightSync]
+"""Engine URLs -> the configured `WeightSync` (`disk` or `distributed`) for exactly them."""
+
+
 class ActorWeights:
     """The `sync` directive: the actor's current weights, published to every engine.
 
-    `sync` is any `omniloop.trainer.weight_sync.WeightSync` (`disk` or `distributed`); this
-    only pairs it with the weights it publishes.
+    The engines may change during a run: `attach(url)` adds one (a new or restarted engine),
+    drops engines that no longer answer, and, when the actor has trained past the weights an
+    engine starts with, gives the new engine the current weights before returning, so that it
+    never serves stale ones. A change of engines builds a new `WeightSync` (a process group's
+    members are fixed) and closes the old one. Publishing and attaching are serialized with
+    each other and with whatever else holds `lock` (the actor's optimizer step), so weights are
+    never read mid-update.
     """
 
-    def __init__(self, backend: TrainerBackend, sync: WeightSync) -> None:
+    def __init__(
+        self, backend: TrainerBackend, make_sync: SyncFactory, engine_urls: Sequence[str] = ()
+    ) -> None:
         self._backend = backend
-        self._sync = sync
+        self._make_sync = make_sync
+        self._urls = list(engine_urls)
+        self._sync: WeightSync | None = make_sync(self._urls) if self._urls else None
+        self.lock = asyncio.Lock()
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The engines publishes go to."""
+        return list(self._urls)
 
     async def publish(self, version: int) -> dict[str, float]:
         """Return once every engine serves the actor's weights as `version`."""
+        async with self.lock:
+            return await self._publish(version)
+
+    async def _publish(self, version: int) -> dict[str, float]:
         started = time.perf_counter()
-        metrics = await self._sync.publish(self._backend.named_weights(), version)
-        return {**metrics, "perf/sync_seconds": time.perf_counter() - started}
+        try:
+            metrics = await self._send(version)
+        except WeightSyncError:
+            # An engine that fails an update leaves the rotation (it is not left serving stale
+            # weights); its replacement, if any, gets the current weights when it attaches.
+            if not await self._drop_dead_engines():
+                raise
+            metrics = await self._send(version) if self._sync is not None else {}
+        return {
+            **metrics,
+            "perf/sync_seconds": time.perf_counter() - started,
+            "weight_sync/engines": float(len(self._urls)),
+        }
+
+    async def _send(self, version: int) -> dict[str, float]:
+        if self._sync is None:
+            raise WeightSyncError("no engine to publish to: none has been attached")
+        return await self._sync.publish(self._backend.named_weights(), version)
+
+    async def _drop_dead_engines(self) -> bool:
+        """Remove engines that no longer answer and rebuild the sync; True if any was."""
+        alive = [url for url in self._urls if await _answers(url)]
+        if len(alive) == len(self._urls):
+            return False
+        self._urls = alive
+        if self._sync is not None:
+            with contextlib.suppress(Exception):
+                await self._sync.close()
+        self._sync = self._make_sync(alive) if alive else None
+        return True
+
+    async def attach(self, url: str, *, served_version: int = 0) -> None:
+        """Add the engine at `url` (which serves `served_version`) and give every engine the
+        actor's current weights if they are newer."""
+        async with self.lock:
+            alive = [u for u in self._urls if u != url and await _answers(u)]
+            self._urls = [*alive, url]
+            if self._sync is not None:
+                await self._sync.close()
+            self._sync = self._make_sync(self._urls)
+            if self._backend.version != served_version:
+                await self._publish(self._backend.version)
+
+    async def close(self) -> None:
+        """Close the current sync."""
+        if self._sync is not None:
+            await self._sync.close()
+            self._sync = None
+
+
+async def _answers(url: str) -> bool:
+    """Whether the engine at `url` answers its health check."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            return (await client.get(f"{url}/health")).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from rich.progress import Progress, TaskID
 
 from omniloop.errors import ConfigError
+from omniloop.platform.control.console import console
 from omniloop.platform.control.controller import Actor, RolloutReport, TrainReport
 from omniloop.platform.control.faults import FaultTimeline
 from omniloop.platform.control.metrics import MetricsSink, truncate_jsonl
@@ -43,7 +44,10 @@ class RunRecord:
         self.run_dir = Path(config.run_dir)
         self.trained_path = self.run_dir / "trained.jsonl"
         self.faults_path = self.run_dir / "faults.jsonl"
-        self.timeline = FaultTimeline()
+        self.timeline = FaultTimeline(
+            settle_s=2 * config.services.health_check_period_s + 5.0,
+            on_change=lambda message: console.print(f"[bold red]fault[/bold red] {message}"),
+        )
         self.run_id = config.run_id
         self._config = config
         self._sink = sink

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +17,11 @@ from omniloop.platform.control.record import RunRecord, checkpoints, recorded_ru
 from omniloop.platform.control.run_config import RunConfig, config_yaml
 
 if TYPE_CHECKING:
+    from omniloop.inference.base import Engine
     from omniloop.platform.control.faults import Retry
     from omniloop.platform.control.local import ActorWeights, EpisodeRunner, LocalActor
     from omniloop.platform.data import DataPlane
+    from omniloop.rewards import RewardFn
 
 
 def seed_everything(seed: int) -> None:
@@ -63,7 +65,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
     seed_everything(config.seed)
     check_tasks(config)
     plane_config = DataPlaneConfig(
-        ray_address=config.data_plane.ray_address,
+        ray_address=config.ray_address,
         num_cpus=config.data_plane.num_cpus,
         ray_temp_dir=config.data_plane.ray_temp_dir,
     )
@@ -82,7 +84,6 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         # Ray and the queue start beside the engine.
         plane_start = asyncio.ensure_future(asyncio.to_thread(DataPlane.start, plane_config))
         stack.push_async_callback(_close_plane, plane_start)
-        url = await stack.enter_async_context(engine_url(config.rollout.engine, log_dir=run_dir))
         plane = await plane_start
         progress = stack.enter_context(progress_bar())
         sink = stack.enter_context(MetricsSink(run_dir, console, tensorboard=config.tensorboard))
@@ -93,13 +94,16 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
             retry = Retry(config.faults, record.timeline, classify_failure)
             roles_cm = service_roles(
                 config,
-                url,
                 retry,
+                record.timeline,
                 on_start=record.episodes_started,
                 on_episode=record.episodes_done,
             )
         else:
             retry = Retry(config.faults, record.timeline, never_retry)
+            url = await stack.enter_async_context(
+                engine_url(config.rollout.engine, log_dir=run_dir)
+            )
             roles_cm = local_roles(config, url, plane, record, retry)
         roles = await stack.enter_async_context(roles_cm)
         console.print(f"[bold]roles:[/bold] {config.services.mode}")
@@ -112,8 +116,28 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
                 soft_wrap=True,
             )
         record.rewind(start)
-        await train_loop(roles, record, config, start)
+        await _supervised(train_loop(roles, record, config, start), roles)
     return run_dir
+
+
+async def _supervised(loop: Awaitable[None], roles: Roles) -> None:
+    """Run the loop while the health monitor watches the roles; the monitor's failure (the
+    role services cannot be recovered) ends the loop with it."""
+    if roles.monitor is None:
+        await loop
+        return
+    main = asyncio.ensure_future(loop)
+    watch = asyncio.ensure_future(roles.monitor.run())
+    try:
+        await asyncio.wait([main, watch], return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and not main.done():
+            main.cancel()
+            watch.result()  # raises the monitor's error
+        await main
+    finally:
+        for task in (main, watch):
+            task.cancel()
+        await asyncio.gather(main, watch, return_exceptions=True)
 
 
 def check_tasks(config: RunConfig) -> None:
@@ -129,9 +153,12 @@ def check_tasks(config: RunConfig) -> None:
 
 
 @contextlib.asynccontextmanager
-async def episode_runner(config: RunConfig, url: str) -> AsyncIterator[EpisodeRunner]:
+async def episode_runner(
+    config: RunConfig, engine: str | Engine, *, rewards: list[RewardFn] | None = None
+) -> AsyncIterator[EpisodeRunner]:
     """What runs a run's episodes (in this process or a rollout replica): the task set, agent,
-    rewards, an engine client, a sandbox pool, a data-plane client and the run store."""
+    rewards (the configured ones in this process unless `rewards` are given), an engine
+    client, a sandbox pool, a data-plane client and the run store."""
     from omniloop.agents.chat import ChatFormat
     from omniloop.inference.client import EngineClient
     from omniloop.inference.models import load_tokenizer
@@ -143,7 +170,8 @@ async def episode_runner(config: RunConfig, url: str) -> AsyncIterator[EpisodeRu
 
     agent = build_agent(config.rollout.agent)
     async with contextlib.AsyncExitStack() as stack:
-        engine = await stack.enter_async_context(EngineClient(url))
+        if isinstance(engine, str):
+            engine = await stack.enter_async_context(EngineClient(engine))
         pool = await stack.enter_async_context(sandbox_pool(config.rollout.sandbox))
         data = DataPlane.start()
         stack.callback(data.close)
@@ -153,7 +181,7 @@ async def episode_runner(config: RunConfig, url: str) -> AsyncIterator[EpisodeRu
             config,
             tasks=load_tasks(config.rollout.tasks, config.rollout.num_tasks),
             agent=agent,
-            rewards=build_rewards(config.rollout.rewards),
+            rewards=build_rewards(config.rollout.rewards) if rewards is None else rewards,
             chat=ChatFormat(load_tokenizer(config.model), agent.tool_schemas),
             engine=engine,
             sandboxes=pool,
@@ -166,8 +194,11 @@ async def episode_runner(config: RunConfig, url: str) -> AsyncIterator[EpisodeRu
 async def actor_roles(
     config: RunConfig, engine_urls: list[str], data: DataPlane | None = None
 ) -> AsyncIterator[tuple[LocalActor, ActorWeights]]:
-    """The actor (trainer backend + data-plane reader) and its weight sync to `engine_urls`,
-    in this process or an actor replica. `data` is the reader (a new client by default)."""
+    """The actor (trainer backend + data-plane reader) and its weight sync to `engine_urls`
+    (more may be attached later), in this process or an actor replica. `data` is the reader
+    (a new client by default)."""
+    import functools
+
     import torch
 
     from omniloop.inference.models import resolve_model
@@ -184,11 +215,12 @@ async def actor_roles(
         if data is None:
             data = DataPlane.start()
             stack.callback(data.close)
-        weight_sync = make_weight_sync(
-            config.sync, engine_urls, model_dir=resolve_model(config.model)
+        make_sync = functools.partial(
+            make_weight_sync, config.sync, model_dir=resolve_model(config.model)
         )
-        stack.push_async_callback(weight_sync.close)
-        yield LocalActor(backend, data, config), ActorWeights(backend, weight_sync)
+        weights = ActorWeights(backend, make_sync, engine_urls)
+        stack.push_async_callback(weights.close)
+        yield LocalActor(backend, data, config, lock=weights.lock), weights
 
 
 @contextlib.asynccontextmanager

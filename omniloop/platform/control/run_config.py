@@ -24,10 +24,8 @@ from omniloop.trainer.weight_sync import WeightSyncConfig
 
 
 class DataPlaneSettings(StrictModel):
-    """Where the data plane (TransferQueue on Ray) runs."""
+    """The data plane (TransferQueue on the run's Ray cluster)."""
 
-    ray_address: str | None = None
-    """Ray cluster to join; None starts a private local instance for the run."""
     num_cpus: int = Field(default=8, ge=1)
     """Logical CPUs of a private Ray instance (placement only; more than the cores is fine)."""
     ray_temp_dir: str | None = None
@@ -36,6 +34,16 @@ class DataPlaneSettings(StrictModel):
     read_timeout: float = Field(default=1800.0, gt=0)
     """Seconds a role may wait for the next row of a step before the run fails with a
     description of the stall. Generous: a step's slowest episode can take minutes."""
+
+
+class RolePlacement(StrictModel):
+    """Where a role's replicas may run on a Ray cluster."""
+
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Ray custom resources each replica needs (`{"rollout_host": 1}`): it runs only on nodes
+    that offer them."""
+    max_replicas_per_node: int | None = Field(default=None, ge=1)
+    """Most replicas of the role on one node (spreads them over nodes); None: no bound."""
 
 
 class ServicesConfig(StrictModel):
@@ -51,6 +59,25 @@ class ServicesConfig(StrictModel):
     max_queued_requests: int = Field(default=1024, ge=1)
     """Requests a deployment's callers may queue beyond what its replicas run at once; past it
     a call is refused (back-pressure) and retried after a pause, never dropped."""
+    engine_replicas: int = Field(default=1, ge=1)
+    """Engines, each fronted by a replica of the engine deployment that launches it (or
+    adopts `rollout.engine.url`, then 1)."""
+    engine_wait_s: float = Field(default=120.0, gt=0)
+    """Seconds a generation request waits for an engine to answer again (a dead engine is
+    replaced meanwhile) before the episode fails as `engine_error`."""
+    reward_replicas: int = Field(default=2, ge=1)
+    """Replicas of the reward deployment, where reward functions run (a reward that crashes
+    its process takes down only the replica, and the episodes it was scoring)."""
+    reward_memory_mb: int = Field(default=2048, ge=64)
+    """Resident memory past which a reward replica ends itself (a runaway reward)."""
+    health_poll_s: float = Field(default=1.0, gt=0)
+    """Seconds between the health monitor's polls of every role's deployment status."""
+    max_failed_polls: int = Field(default=30, ge=1)
+    """Consecutive polls Ray Serve may fail to answer before the run fails."""
+    placement: dict[Literal["actor", "engine", "reward", "rollout", "advantage"], RolePlacement] = (
+        Field(default_factory=dict)
+    )
+    """Per role, the resources its replicas ask Ray for (default: none beyond the node's)."""
     health_check_period_s: float = Field(default=2.0, gt=0)
     """Seconds between Ray Serve's health checks of each replica (`check_health`)."""
     health_check_timeout_s: float = Field(default=30.0, gt=0)
@@ -108,6 +135,9 @@ class RunConfig(StrictModel):
     """torch threads of the trainer (this process); None leaves torch's default. On a small
     machine give the engine and the trainer one thread each: OpenMP threads competing for
     the same cores wait on each other."""
+    ray_address: str | None = None
+    """Ray cluster to run on: an address (`auto` for the one `ray start` made on this host,
+    `ray://head:10001`, `127.0.0.1:6379`); None starts a private local instance for the run."""
     data_plane: DataPlaneSettings = Field(default_factory=DataPlaneSettings)
     """The data plane."""
     services: ServicesConfig = Field(default_factory=ServicesConfig)

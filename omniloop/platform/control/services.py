@@ -29,6 +29,7 @@ replica, not deployments of their own; reward functions run inside the rollout r
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -54,11 +55,14 @@ from omniloop.platform.control.controller import (
     Roles,
     TrainReport,
 )
-from omniloop.platform.control.faults import Failure, Retry
+from omniloop.platform.control.engine_service import EngineServer
+from omniloop.platform.control.faults import Failure, FaultTimeline, Retry
+from omniloop.platform.control.health import HealthMonitor
 from omniloop.platform.control.local import StepRollout
+from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
 
-ROLE_APPS = ("rollout", "advantage", "actor")
+ROLE_APPS = ("actor", "engine", "reward", "rollout", "advantage")
 SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 """Serve logs a line per request at INFO; the run's console keeps to one line per step. Each
 replica still writes its own log file under the Ray session's `logs/serve/`."""
@@ -77,7 +81,7 @@ def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
     return None
 
 
-def _enter_run_folder(cwd: str, paths: list[str]) -> None:
+def enter_run_folder(cwd: str, paths: list[str]) -> None:
     """Work from the controller's folder with its import path, so that relative paths and
     `file.py:name` components resolve in a replica exactly as in the controller."""
     os.chdir(cwd)
@@ -90,15 +94,19 @@ class RolloutServer:
     """A rollout replica: runs single episodes (`EpisodeRunner.run`) on request."""
 
     # Serve awaits an async constructor; mypy knows no such thing.
-    async def __init__(  # type: ignore[misc]
-        self, config: RunConfig, engine_url: str, cwd: str, paths: list[str]
-    ) -> None:
-        _enter_run_folder(cwd, paths)
+    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+        enter_run_folder(cwd, paths)
+        from omniloop.platform.control.engine_service import ServiceEngine
+        from omniloop.platform.control.reward_service import remote_rewards
         from omniloop.platform.control.run import episode_runner
 
         self._stack = contextlib.AsyncExitStack()
-        self._engine_url = engine_url
-        self._runner = await self._stack.enter_async_context(episode_runner(config, engine_url))
+        engine = ServiceEngine(serve.get_app_handle("engine"), config.services.engine_wait_s)
+        self._stack.push_async_callback(engine.aclose)
+        rewards = remote_rewards(config.rollout.rewards, serve.get_app_handle("reward"))
+        self._runner = await self._stack.enter_async_context(
+            episode_runner(config, engine, rewards=rewards)
+        )
 
     async def open_step(self, step: int) -> None:
         self._runner.open_step(step)
@@ -110,14 +118,10 @@ class RolloutServer:
         await self._runner.close_step(step)
 
     async def check_health(self) -> None:
-        import httpx
-
+        # The engine's health is the engine role's: a dead engine must not take the rollout
+        # replicas down with it (their episodes wait for the engine's replacement).
         from omniloop.platform.data.tq import queue_running
 
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            response = await client.get(f"{self._engine_url}/health")
-        if response.status_code != 200:
-            raise RuntimeError(f"engine {self._engine_url} answered {response.status_code}")
         if not queue_running():
             raise RuntimeError("the data plane's controller is not running")
 
@@ -129,7 +133,7 @@ class AdvantageServer:
     """The advantage replica: writes a step's advantages on request."""
 
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
-        _enter_run_folder(cwd, paths)
+        enter_run_folder(cwd, paths)
         from omniloop.platform.control.local import LocalAdvantage
         from omniloop.platform.data import DataPlane
 
@@ -157,16 +161,13 @@ class ActorServer:
     """The actor replica: the trainer backend with its data-plane reader and weight sync."""
 
     # Serve awaits an async constructor; mypy knows no such thing.
-    async def __init__(  # type: ignore[misc]
-        self, config: RunConfig, engine_url: str, cwd: str, paths: list[str]
-    ) -> None:
-        _enter_run_folder(cwd, paths)
+    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+        enter_run_folder(cwd, paths)
         from omniloop.platform.control.run import actor_roles
 
         self._stack = contextlib.AsyncExitStack()
-        self._actor, self._weights = await self._stack.enter_async_context(
-            actor_roles(config, [engine_url])
-        )
+        # Engines attach themselves (`attach_engine`) as their replicas start.
+        self._actor, self._weights = await self._stack.enter_async_context(actor_roles(config, []))
 
     async def version(self) -> int:
         return self._actor.version
@@ -183,6 +184,9 @@ class ActorServer:
 
     async def publish(self, version: int) -> dict[str, float]:
         return await self._weights.publish(version)
+
+    async def attach_engine(self, url: str, served_version: int) -> None:
+        await self._weights.attach(url, served_version=served_version)
 
     async def check_health(self) -> None:
         from omniloop.platform.data.tq import queue_running
@@ -250,7 +254,12 @@ class ServiceWeights:
 
 @contextlib.asynccontextmanager
 async def service_roles(
-    config: RunConfig, engine_url: str, retry: Retry, *, on_start: Any, on_episode: Any
+    config: RunConfig,
+    retry: Retry,
+    timeline: FaultTimeline,
+    *,
+    on_start: Any,
+    on_episode: Any,
 ) -> AsyncIterator[Roles]:
     """Deploy the run's roles on the Ray cluster this process has joined, and undeploy them
     at the end of the block."""
@@ -262,34 +271,64 @@ async def service_roles(
         "max_queued_requests": settings.max_queued_requests,
         "health_check_period_s": settings.health_check_period_s,
         "health_check_timeout_s": settings.health_check_timeout_s,
-        # Placement only: the roles share the machine's cores with the engine.
-        "ray_actor_options": {"num_cpus": 0},
     }
+
+    def placed(role: str) -> dict[str, Any]:
+        where = settings.placement.get(role)  # type: ignore[call-overload]
+        # No CPU reserved: the roles share the machine's cores with the engine.
+        options: dict[str, Any] = {"num_cpus": 0}
+        if where is not None and where.resources:
+            options["resources"] = dict(where.resources)
+        out = {**common, "ray_actor_options": options}
+        if where is not None and where.max_replicas_per_node is not None:
+            out["max_replicas_per_node"] = where.max_replicas_per_node
+        return out
+
     cwd, paths = os.getcwd(), [p for p in sys.path if p]
     rollout_app = serve.deployment(
         name="rollout",
         num_replicas=settings.rollout_replicas,
         max_ongoing_requests=per_replica,
-        **common,
+        **placed("rollout"),
     )(RolloutServer).bind(
         config.model_copy(
             update={"rollout": config.rollout.model_copy(update={"concurrency": per_replica})}
         ),
-        engine_url,
         cwd,
         paths,
     )
     advantage_app = serve.deployment(
-        name="advantage", num_replicas=1, max_ongoing_requests=64, **common
+        name="advantage", num_replicas=1, max_ongoing_requests=64, **placed("advantage")
     )(AdvantageServer).bind(config, cwd, paths)
-    actor_app = serve.deployment(name="actor", num_replicas=1, max_ongoing_requests=8, **common)(
-        ActorServer
-    ).bind(config, engine_url, cwd, paths)
+    reward_app = serve.deployment(
+        name="reward",
+        num_replicas=settings.reward_replicas,
+        max_ongoing_requests=max(per_replica, 8),
+        **placed("reward"),
+    )(RewardServer).bind(
+        config.rollout.rewards,
+        config.rollout.reward_timeout,
+        settings.reward_memory_mb,
+        cwd,
+        paths,
+    )
+    actor_app = serve.deployment(
+        name="actor", num_replicas=1, max_ongoing_requests=8, **placed("actor")
+    )(ActorServer).bind(config, cwd, paths)
+    engines = 1 if config.rollout.engine.url else settings.engine_replicas
+    engine_app = serve.deployment(
+        name="engine", num_replicas=engines, max_ongoing_requests=1024, **placed("engine")
+    )(EngineServer).bind(config, str(Path(config.run_dir).resolve()), cwd, paths)
 
     def deploy() -> tuple[DeploymentHandle, DeploymentHandle, DeploymentHandle]:
+        # The driver's Serve logger says "Application ... is ready" and the like at INFO.
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)
         serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
+        actor = serve.run(actor_app, name="actor", route_prefix=None, logging_config=SERVE_LOGGING)
+        serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
+        serve.run(reward_app, name="reward", route_prefix=None, logging_config=SERVE_LOGGING)
         return (
-            serve.run(actor_app, name="actor", route_prefix=None, logging_config=SERVE_LOGGING),
+            actor,
             serve.run(rollout_app, name="rollout", route_prefix=None, logging_config=SERVE_LOGGING),
             serve.run(
                 advantage_app, name="advantage", route_prefix=None, logging_config=SERVE_LOGGING
@@ -324,6 +363,18 @@ async def service_roles(
             advantage=ServiceAdvantage(advantage, retry),
             actor=ServiceActor(actor, version),
             sync=ServiceWeights(actor),
+            monitor=HealthMonitor(
+                {
+                    "engine": engines,
+                    "reward": settings.reward_replicas,
+                    "rollout": settings.rollout_replicas,
+                    "advantage": 1,
+                    "actor": 1,
+                },
+                timeline,
+                period_s=settings.health_poll_s,
+                max_failed_polls=settings.max_failed_polls,
+            ),
         )
     finally:
         await asyncio.to_thread(_undeploy)

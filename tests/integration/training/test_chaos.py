@@ -3,10 +3,15 @@
 One real run of the toy task with the roles as Ray Serve deployments. While it trains, a
 watcher SIGKILLs the process of one replica per role, each at a step of its own, in the middle
 of that step's work: a rollout replica while step 1's episodes run, the advantage replica
-while step 3's groups arrive. Ray Serve replaces each; the controller re-runs what was cut
-off. Afterwards: the run completed; every trajectory id of every step was trained exactly once
-(`trained.jsonl`); the store holds every episode once; and each kill is a fault on the
-timeline (`faults.jsonl` and the run's events) with its recovery time.
+while step 3's groups arrive, the engine's replica (and so its engine) during step 4. Ray
+Serve replaces each; the controller re-runs what was cut off; episodes waiting on the dead
+engine resume on its replacement, which has the current weights before it serves (a sample of
+older weights would be refused by the actor and missing from `trained.jsonl`).
+
+Afterwards: the run completed; every trajectory id of every step was trained exactly once
+(`trained.jsonl`); the store holds every episode once; each kill is a fault on the timeline
+(`faults.jsonl` and the run's events) with its recovery time; and a killed engine replica
+left no engine process behind.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from omniloop.platform.control.components import load_tasks
@@ -35,7 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 6
 TASKS_PER_STEP = 4
 SAMPLES = 4
-KILLS = {"rollout": 1, "advantage": 3}
+KILLS = {"rollout": 1, "advantage": 3, "engine": 4}
 """Role -> the step during whose rollout one of its replicas is killed."""
 
 
@@ -50,9 +56,13 @@ class ChaosRun:
     faults: list[dict[str, Any]]
     killed: dict[str, int] = field(default_factory=dict)
     """Role -> pid killed."""
+    orphans: dict[str, list[int]] = field(default_factory=dict)
+    """Role -> the killed replica's child processes (its engine, its sandboxes)."""
 
 
-def _kill_during_steps(run_dir: Path, killed: dict[str, int], stop: threading.Event) -> None:
+def _kill_during_steps(
+    run_dir: Path, killed: dict[str, int], orphans: dict[str, list[int]], stop: threading.Event
+) -> None:
     """SIGKILL a replica of each role of `KILLS` once its step has written a few episodes."""
     pending = dict(KILLS)
     while pending and not stop.is_set():
@@ -61,8 +71,10 @@ def _kill_during_steps(run_dir: Path, killed: dict[str, int], stop: threading.Ev
             if written.is_file() and len(written.read_text().splitlines()) >= 1:
                 pids = replica_pids(role)
                 if pids:
+                    children = psutil.Process(pids[0]).children(recursive=True)
                     os.kill(pids[0], signal.SIGKILL)
                     killed[role] = pids[0]
+                    orphans[role] = [c.pid for c in children]
                     del pending[role]
         time.sleep(0.05)
 
@@ -83,8 +95,9 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
         },
     )
     killed: dict[str, int] = {}
+    orphans: dict[str, list[int]] = {}
     stop = threading.Event()
-    watcher = threading.Thread(target=_kill_during_steps, args=(run_dir, killed, stop))
+    watcher = threading.Thread(target=_kill_during_steps, args=(run_dir, killed, orphans, stop))
     watcher.start()
     try:
         asyncio.run(run(config))
@@ -96,11 +109,26 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
         read_jsonl(run_dir / "trained.jsonl"),
         read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else [],
         killed,
+        orphans,
     )
 
 
 def test_each_role_was_killed_mid_run(chaos_run: ChaosRun) -> None:
     assert set(chaos_run.killed) == set(KILLS)
+
+
+def test_episodes_waiting_on_the_dead_engine_resumed_on_its_replacement(
+    chaos_run: ChaosRun,
+) -> None:
+    for path in (chaos_run.run_dir / "trajectories").glob("step_*.jsonl"):
+        stops = [t["meta"]["stop_reason"] for t in read_jsonl(path)]
+        assert "engine_error" not in stops, path.name
+
+
+def test_a_killed_engine_replica_takes_its_engine_with_it(chaos_run: ChaosRun) -> None:
+    assert chaos_run.orphans["engine"], "the engine replica had no engine process"
+    alive = [pid for pid in chaos_run.orphans["engine"] if psutil.pid_exists(pid)]
+    assert not [p for p in alive if psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 def test_every_trajectory_of_every_step_is_trained_exactly_once(
@@ -140,6 +168,7 @@ def test_each_kill_is_on_the_fault_timeline_with_its_recovery(
     faults = [f for f in chaos_run.faults if f["role"] == role]
     assert len(faults) == 1, chaos_run.faults
     fault = faults[0]
-    assert fault["retried"], "the work the replica was doing was not retried"
+    if role != "engine":  # episodes wait out an engine's replacement: nothing is re-run
+        assert fault["retried"], "the work the replica was doing was not retried"
     assert fault["recovery_seconds"] is not None
     assert 0 <= fault["recovery_seconds"] < 120
