@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from omniloop.platform.store import Store
 
@@ -41,6 +41,12 @@ CHROMIUM_ARGS = [
 # Greedy, the random tiny model repeats the newline that ends the prompt; stopping on it ends
 # each turn after a token or two.
 SAMPLING = {"max_new_tokens": 8, "temperature": 0.0, "stop_token_ids": [198]}
+
+# Playwright's `expect` waits 5 s by default for the page to show what it asserts; on a loaded
+# 2-core machine (Chromium, the server, the engine and the tests on it) a page can take longer
+# with nothing wrong. A longer wait only delays a failure: an assertion passes as soon as the
+# page holds it.
+expect.set_options(timeout=30_000)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
