@@ -40,9 +40,11 @@ class CappedOutput:
 
     def text(self) -> str:
         """The kept bytes as text (invalid UTF-8 replaced), with a marker where bytes were cut."""
-        head = self._head.decode("utf-8", errors="replace")
         if not self.truncated:
-            return head + self._tail.decode("utf-8", errors="replace")
+            # Nothing was cut: one decode, so a character split between the two buffers stays
+            # one character.
+            return (bytes(self._head) + bytes(self._tail)).decode("utf-8", errors="replace")
+        head = self._head.decode("utf-8", errors="replace")
         dropped = self.total - len(self._head) - len(self._tail)
         tail = self._tail.decode("utf-8", errors="replace")
         return head + TRUNCATION_MARKER.format(n=dropped) + tail
