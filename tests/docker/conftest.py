@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -227,6 +228,19 @@ async def sandbox_processes(sandbox: DockerSandbox) -> list[tuple[int, int, str,
     return rows
 
 
+async def exec_round_trip(sandbox: DockerSandbox, n: int = 5) -> float:
+    """Median seconds of `n` runs of `true` in the sandbox: what one exec costs on this host at
+    this moment. Time bounds add a multiple of it as headroom, so that a loaded machine (every
+    exec slower) does not flip them while a quiet one keeps them tight."""
+    seconds = []
+    for _ in range(n):
+        start = time.monotonic()
+        result = await sandbox.exec(["true"], timeout=30)
+        assert result.ok, result
+        seconds.append(time.monotonic() - start)
+    return statistics.median(seconds)
+
+
 def host_process_count() -> int:
     return sum(1 for p in os.listdir("/proc") if p.isdigit())
 
@@ -245,6 +259,7 @@ def helpers() -> Any:
 
     class Helpers:
         processes = staticmethod(sandbox_processes)
+        exec_round_trip = staticmethod(exec_round_trip)
         host_process_count = staticmethod(host_process_count)
         rss_bytes = staticmethod(rss_bytes)
         free_port = staticmethod(free_port)

@@ -21,11 +21,6 @@ from omniloop.sandboxes.docker import DockerSandbox, host_config_for
 FORK_BOMB = ":(){ :|:& };:"
 
 
-def p99(samples: list[float]) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
-
-
 async def exec_latencies(sandbox: DockerSandbox, n: int) -> list[float]:
     latencies = []
     for _ in range(n):
@@ -36,12 +31,18 @@ async def exec_latencies(sandbox: DockerSandbox, n: int) -> list[float]:
     return latencies
 
 
+def ms(samples: list[float]) -> str:
+    """Median and slowest of `samples`, in ms, for failure messages."""
+    return f"median {statistics.median(samples) * 1000:.0f} / max {max(samples) * 1000:.0f} ms"
+
+
 async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbours(
     make_sandbox: Any, helpers: Any, backend: str, docker_api: APIClient
 ) -> None:
     neighbour = await make_sandbox()
     bomb = await make_sandbox(pids=128)
-    await exec_latencies(neighbour, 5)  # warm up the daemon's paths
+    # Warms up the daemon's paths, and says what an exec costs on this host right now.
+    round_trip = await helpers.exec_round_trip(neighbour)
 
     timeout = 15.0
     start = time.monotonic()
@@ -51,10 +52,14 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
     )
     await asyncio.sleep(1.5)
     # The neighbour's latency with the bomb frozen and running, alternately, so that the load
-    # of whatever else runs on the host weighs on both alike.
+    # of whatever else runs on the host weighs on both alike; windows start only while a round
+    # can end before the bomb's timeout. Medians are compared: on a loaded host single execs
+    # stall for a scheduling slice or two either way (the slowest of 24 once read 241 ms with
+    # the bomb running against 102 ms frozen), while a bomb that starves its neighbours slows
+    # every exec.
     frozen: list[float] = []
     running: list[float] = []
-    for _ in range(3):
+    while len(running) < 4 * 8 and time.monotonic() - start < timeout - 4:
         try:
             await asyncio.to_thread(docker_api.pause, bomb.container_id)
         except APIError:
@@ -81,7 +86,10 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
         result = None
     elapsed = time.monotonic() - start
 
-    assert elapsed < timeout + 2, f"fork bomb exec took {elapsed:.1f}s for T={timeout}s"
+    # Past the timeout: the kill grace, then stopping the bomb (signalling execs retried while
+    # it holds every pid, or the sandbox destroyed), with room that grows with the exec cost.
+    bound = timeout + bomb.config.limits.kill_grace + 2 + 8 * round_trip
+    assert elapsed < bound, f"fork bomb exec took {elapsed:.1f}s for T={timeout}s (< {bound:.1f})"
     if result is None:
         assert not await bomb.healthy()
     else:
@@ -93,10 +101,9 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
             while await bomb.healthy():
                 assert time.monotonic() < deadline, f"bomb ended early, sandbox alive: {result}"
                 await asyncio.sleep(0.1)
-    assert (not running and backend == "gvisor") or p99(running) < 2 * p99(frozen), (
-        f"neighbour exec p99 {p99(running) * 1000:.0f} ms with the bomb running vs "
-        f"{p99(frozen) * 1000:.0f} ms with it frozen (median "
-        f"{statistics.median(running) * 1000:.0f} vs {statistics.median(frozen) * 1000:.0f} ms)"
+    assert running or backend == "gvisor", "no window fitted before the bomb's timeout"
+    assert not running or statistics.median(running) < 2 * statistics.median(frozen), (
+        f"neighbour exec {ms(running)} with the bomb running vs {ms(frozen)} with it frozen"
     )
     # Everything the bomb started is gone, in the sandbox and on the host.
     if await bomb.healthy():
@@ -317,7 +324,15 @@ async def test_a8_inode_exhaustion_is_capped_and_teardown_is_quick(
         assert result.stop_reason == "oom", result
     start = time.monotonic()
     await sandbox.close()
-    assert time.monotonic() - start < 10
+    teardown = time.monotonic() - start
+    # The 10 s of room grow with the teardown of a fresh sandbox at the same moment, which a
+    # loaded host slows alike; a teardown that walks the files one by one, or waits on a dead
+    # runtime, takes longer still.
+    fresh = await make_sandbox()
+    start = time.monotonic()
+    await fresh.close()
+    baseline = time.monotonic() - start
+    assert teardown < 10 + 3 * baseline, f"teardown {teardown:.1f}s, a fresh one {baseline:.1f}s"
 
 
 @pytest.mark.parametrize(

@@ -15,15 +15,21 @@ from docker.api.client import APIClient
 
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
 
+# The time limit tests allow, past the timeout and the kill grace, 1.5 s plus four exec round
+# trips measured just before (stopping a command takes two signalling execs): the bound stays
+# tight on a quiet machine and does not flip on a loaded one, where every exec is slower. What
+# it tells apart is a command that would run forever.
 
-async def test_b11_infinite_loop_is_killed_at_the_timeout(make_sandbox: Any) -> None:
+
+async def test_b11_infinite_loop_is_killed_at_the_timeout(make_sandbox: Any, helpers: Any) -> None:
     sandbox = await make_sandbox(kill_grace=1)
+    bound = 2 + 1 + 1.5 + 4 * await helpers.exec_round_trip(sandbox)
     start = time.monotonic()
     result = await sandbox.exec(["sh", "-c", "while true; do :; done"], timeout=2)
     elapsed = time.monotonic() - start
     assert result.stop_reason == "tool_timeout"
     assert result.exit_code is None
-    assert elapsed < 2 + 1 + 1.5, f"returned after {elapsed:.1f}s (T=2, grace=1)"
+    assert elapsed < bound, f"returned after {elapsed:.1f}s (T=2, grace=1, bound {bound:.1f}s)"
     assert "[timed out after" in result.text()
 
 
@@ -52,11 +58,12 @@ async def test_b13_sigterm_ignoring_command_is_sigkilled_after_the_grace(
     make_sandbox: Any, helpers: Any
 ) -> None:
     sandbox = await make_sandbox(kill_grace=1)
+    bound = 1.5 + 1 + 1.5 + 4 * await helpers.exec_round_trip(sandbox)
     start = time.monotonic()
     result = await sandbox.exec(["sh", "-c", "trap '' TERM; sleep 9999 & wait"], timeout=1.5)
     elapsed = time.monotonic() - start
     assert result.stop_reason == "tool_timeout"
-    assert elapsed < 1.5 + 1 + 1.5, f"returned after {elapsed:.1f}s (T=1.5, grace=1)"
+    assert elapsed < bound, f"returned after {elapsed:.1f}s (T=1.5, grace=1, bound {bound:.1f}s)"
     rows = await helpers.processes(sandbox)
     assert [r for r in rows if r[1] == 1000] == [], rows
 
@@ -72,14 +79,16 @@ async def test_b14_zombies_are_reaped_by_the_init(make_sandbox: Any, helpers: An
 
 
 async def test_b15_silent_command_is_killed_by_the_idle_timeout_not_the_wall_timeout(
-    make_sandbox: Any,
+    make_sandbox: Any, helpers: Any
 ) -> None:
     sandbox = await make_sandbox(idle_timeout=1.5)
+    # Far below the wall timeout (30 s) on any machine that runs an exec in under 6 s.
+    bound = 1.5 + 1 + 1.5 + 4 * await helpers.exec_round_trip(sandbox)
     start = time.monotonic()
     result = await sandbox.exec(["sleep", "9999"], timeout=30)
     elapsed = time.monotonic() - start
     assert result.stop_reason == "idle_timeout"
-    assert elapsed < 1.5 + 1 + 1.5
+    assert elapsed < bound, f"returned after {elapsed:.1f}s (idle 1.5, bound {bound:.1f}s)"
     # A command that keeps talking is not idle, even past the idle timeout.
     chatty = await sandbox.exec(
         ["sh", "-c", "for i in 1 2 3 4 5 6; do echo tick; sleep 0.5; done"], timeout=30
