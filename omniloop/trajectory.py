@@ -24,8 +24,8 @@ StopReason = Literal[
     "cancelled",
     "engine_error",
 ]
-"""Why an episode ended. The last five are infrastructure outcomes: such trajectories are
-recorded but never trained as a zero reward."""
+"""Why an episode ended. The last four (`INFRA_STOP_REASONS`) are infrastructure outcomes: such
+trajectories are recorded but never trained as a zero reward."""
 
 INFRA_STOP_REASONS: frozenset[str] = frozenset(
     {"sandbox_error", "reward_error", "cancelled", "engine_error"}
@@ -93,7 +93,8 @@ class TurnRecord(BaseModel):
     num_observation: int = 0
     """How many observation (mask-0) tokens followed the turn."""
     finish_reason: str
-    """The engine's finish reason for this turn (`stop` or `length`)."""
+    """The engine's finish reason for this turn: `stop`, `length`, or `abort` (the engine
+    aborted the request; the episode then ends as `engine_error`)."""
     weight_version: int
     """The weight version that sampled this turn."""
     generate_seconds: float = 0.0

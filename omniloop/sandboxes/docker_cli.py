@@ -121,7 +121,7 @@ def serve(
     ),
     docker_host: str | None = typer.Option(None, help="Docker endpoint (default: DOCKER_HOST)."),
 ) -> None:
-    """Run sandboxd, the sandbox service (the only component that talks to Docker), until
+    """Run sandboxd, the sandbox service (Docker sandboxes for clients over HTTP), until
     SIGTERM/Ctrl-C; every sandbox it made is removed before it exits."""
     from pydantic import ValidationError
 

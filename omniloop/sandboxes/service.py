@@ -1,8 +1,12 @@
-"""sandboxd: the sandbox service, the only omniloop component that talks to the Docker daemon.
+"""sandboxd: the sandbox service, which holds Docker sandboxes for clients over HTTP.
 
-Rollout workers reach it over HTTP (`remote.py` implements the `Sandbox` protocol on top). It
-owns every Docker sandbox it creates, keeps a warm `SandboxPool` per image, bounds creation
-concurrency, and reaps what nobody will close.
+Clients reach it through `remote.py` (`SandboxClient`, whose `RemoteSandbox` implements the
+`Sandbox` protocol). It is not the only component that talks to the Docker daemon: no
+configuration selects it yet, and each process that runs episodes creates its sandboxes itself
+through the configured backend (`factory.py`): every rollout replica of `omniloop run`,
+`omniloop rollout` and the episode worker of `omniloop serve`; `omniloop sandbox build` and
+`reap` call Docker directly too. It owns every Docker sandbox it creates, keeps a warm
+`SandboxPool` per image, bounds creation concurrency, and reaps what nobody will close.
 
 API (`/v1`, JSON; errors are RFC 9457 problem+json)
 --------------------------------------------------
