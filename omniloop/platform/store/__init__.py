@@ -15,6 +15,7 @@ from omniloop.platform.store.errors import (
     InvalidArgument,
     InvalidTransition,
     NotFound,
+    QueueFull,
     SchemaNotReady,
     StoreError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "MetricPoint",
     "NotFound",
     "Page",
+    "QueueFull",
     "RoleFaults",
     "RunRecord",
     "RunStatus",

@@ -212,6 +212,6 @@ class AsyncStore:
         return await asyncio.to_thread(self.store.count_episodes, run_id)
 
     async def create_episodes(
-        self, requests: Sequence[Mapping[str, Any]]
+        self, requests: Sequence[Mapping[str, Any]], *, max_queued: int | None = None
     ) -> list[tuple[EpisodeRecord, bool] | StoreError]:
-        return await asyncio.to_thread(self.store.create_episodes, requests)
+        return await asyncio.to_thread(self.store.create_episodes, requests, max_queued=max_queued)

@@ -1,8 +1,9 @@
 """Errors the run store raises. The REST layer maps them to problem+json statuses.
 
 `NotFound` → 404, the `Conflict` family → 409 (`IdempotencyConflict` → 422 where the API
-prefers it), `InvalidArgument` → 400, `SchemaNotReady` → 503. Database failures that are not
-the caller's fault (connection lost, disk full) propagate as SQLAlchemy's own exceptions.
+prefers it), `InvalidArgument` → 400, `SchemaNotReady` and `QueueFull` → 503. Database
+failures that are not the caller's fault (connection lost, disk full) propagate as
+SQLAlchemy's own exceptions.
 """
 
 from __future__ import annotations
@@ -62,3 +63,15 @@ class InvalidTransition(Conflict):
         self.episode_id = episode_id
         self.current = current
         self.requested = requested
+
+
+class QueueFull(StoreError):
+    """An episode was not created because `limit` episodes are already queued (the admission
+    bound of `Store.create_episodes`). Nothing was written; the same request may be retried."""
+
+    def __init__(self, limit: int, queued: int) -> None:
+        super().__init__(
+            f"{queued} episodes are queued, at the limit of {limit}; nothing was created"
+        )
+        self.limit = limit
+        self.queued = queued

@@ -37,6 +37,7 @@ from pydantic import ValidationError
 from sqlalchemy import (
     Connection,
     CursorResult,
+    Select,
     Table,
     and_,
     case,
@@ -63,6 +64,7 @@ from omniloop.platform.store.errors import (
     InvalidArgument,
     InvalidTransition,
     NotFound,
+    QueueFull,
     SchemaNotReady,
     StoreError,
 )
@@ -208,6 +210,14 @@ def hash_episode_request(
     except (TypeError, ValueError) as err:
         raise InvalidArgument(f"episode request is not a JSON document: {err}") from None
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def queued_count_query(at_most: int) -> Select[tuple[int]]:
+    """How many episodes are `queued`, counting no further than `at_most`: a range read of
+    `ix_episodes_status_seq` (covering: `seq` is in the index) whose cost is bounded by
+    `at_most`, however long the queue. `create_episodes`' admission count."""
+    head = select(EPISODES.c.seq).where(EPISODES.c.status == "queued").limit(at_most).subquery()
+    return select(func.count()).select_from(head)
 
 
 def _final_status(meta: TrajectoryMeta) -> EpisodeStatus:
@@ -838,7 +848,7 @@ class Store:
         return self._existing_episode(values)
 
     def create_episodes(
-        self, requests: Sequence[Mapping[str, Any]]
+        self, requests: Sequence[Mapping[str, Any]], *, max_queued: int | None = None
     ) -> list[tuple[EpisodeRecord, bool] | StoreError]:
         """Create several episodes in one transaction: per request, what `create_episode`
         returns, or the `StoreError` it raises.
@@ -849,7 +859,18 @@ class Store:
         What is shared is one commit, which on SQLite is most of an insert's cost; a REST
         server under load writes the submissions that queued up meanwhile this way. A
         database failure (connection lost, disk full) raises and creates none.
+
+        `max_queued` bounds the queue (the REST API's back-pressure): a request that would
+        create a `queued` episode while `max_queued` episodes (of any run or none) are queued
+        gets `QueueFull` instead, in request order, and writes nothing, so its idempotency key
+        stays unused. A request whose key is already used still gets that episode (or
+        `IdempotencyConflict`), full queue or not. The queued episodes are counted in the same
+        write transaction as the inserts (SQLite's write lock; the events lock on PostgreSQL),
+        so concurrent calls, in threads or processes, never admit more than `max_queued`
+        between them. The count reads at most `max_queued` entries of `ix_episodes_status_seq`.
         """
+        if max_queued is not None and max_queued < 1:
+            raise InvalidArgument(f"max_queued must be at least 1 (or None), not {max_queued}")
         outcomes: list[tuple[EpisodeRecord, bool] | StoreError | None] = [None] * len(requests)
         prepared: list[tuple[int, dict[str, Any]]] = []
         for index, request in enumerate(requests):
@@ -858,9 +879,23 @@ class Store:
             except StoreError as err:
                 outcomes[index] = err
         clashed: list[tuple[int, dict[str, Any]]] = []
+        refused: list[tuple[int, dict[str, Any]]] = []
+        queued = 0
         if prepared:
             with self._writing_core() as connection:
+                if max_queued is not None:
+                    # Before the count: on PostgreSQL every status change holds this lock to
+                    # its commit, so the count sees every other writer's episodes.
+                    self._lock_events(connection)
+                    queued = int(connection.scalar(queued_count_query(max_queued)) or 0)
                 for index, values in prepared:
+                    if (
+                        max_queued is not None
+                        and values["status"] == "queued"
+                        and queued >= max_queued
+                    ):
+                        refused.append((index, values))
+                        continue
                     try:
                         with connection.begin_nested():
                             self._insert_episode(connection, values)
@@ -870,12 +905,32 @@ class Store:
                         outcomes[index] = err
                     else:
                         outcomes[index] = (_new_episode_record(values), True)
+                        if values["status"] == "queued":
+                            queued += 1
         for index, values in clashed:
             try:
                 outcomes[index] = self._existing_episode(values)
             except StoreError as err:
                 outcomes[index] = err
+        for index, values in refused:
+            assert max_queued is not None
+            try:
+                outcomes[index] = self._refused_episode(values, max_queued, queued)
+            except StoreError as err:
+                outcomes[index] = err
         return [outcome for outcome in outcomes if outcome is not None]
+
+    def _refused_episode(
+        self, values: Mapping[str, Any], max_queued: int, queued: int
+    ) -> tuple[EpisodeRecord, bool]:
+        """A request the full queue kept out: the episode its idempotency key already names
+        (a replay creates nothing, so it needs no room), else `QueueFull`."""
+        if values["idempotency_key"] is not None:
+            try:
+                return self._existing_episode(values)
+            except AlreadyExists:
+                pass
+        raise QueueFull(max_queued, queued)
 
     def _episode_values(
         self,
