@@ -443,7 +443,7 @@ class Sim:
         self.done_at: float | None = None
         self.failed: str | None = None
         self.faults: Counter[str] = Counter()
-        self.reruns = self.redone = self.restarts = 0
+        self.reruns = self.redone = self.restarts = self.resent = 0
         for role in ROLES if faults else ():
             for unit in range(len(self.units.get(role, [Unit()]))):
                 self._schedule_fault(role, unit, random.Random(f"fault/{seed}/{role}/{unit}"))
@@ -676,16 +676,24 @@ class Sim:
             target = self.units[role][unit]
             target.up = False
             lost = list(target.episodes)  # a replica's episodes, a host's sandboxes
-            if role == "engine":  # an engine loses only the turns it was generating
-                lost = [job.owner for job in self.engine_groups[unit].clear()]
+            if role == "engine":  # its turns are sent again to the next engine: the episode
+                cut = [job.owner for job in self.engine_groups[unit].clear()]  # goes on
                 for episode in target.episodes:
                     episode.engine = -1
+                for episode in cut:
+                    episode.version = None if episode.phase == 0 else episode.version
+                    self.at(self.c.retry_pause_s, self._resend, episode, self.epoch)
+                self.resent, lost = self.resent + len(cut), []
             elif role == "sandbox":
                 self.sandbox_groups[unit].clear()
             target.episodes.clear()
             for episode in lost:
                 self._rerun(episode, role)
         self.at(self.c.recovery_s[role], self._recovered, role, unit, rng)
+
+    def _resend(self, episode: Episode, epoch: int) -> None:
+        if episode.live and epoch == self.epoch:
+            self._resume_phase(episode)
 
     def _recovered(self, role: str, unit: int, rng: random.Random) -> None:
         if role in self.units:
@@ -737,6 +745,7 @@ class Sim:
         records = [r for r in self.records.values() if "step" in r]
         out: dict[str, Any] = {"wall_s": wall, "steps_done": len(records),
                                "faults": dict(self.faults), "episodes_rerun": self.reruns,
+                               "turns_resent": self.resent,
                                "steps_redone": self.redone}  # fmt: skip
         if self.failed:
             out["failed"] = self.failed
@@ -918,7 +927,7 @@ def from_measured(
         "episodes_per_step": work.episodes_per_step, "rollout_seconds": round(rollout, 3),
         "train_seconds": round(train, 3), "sync_seconds": round(sync, 3),
         "record_seconds": round(record, 3), "turn_work": round(turn, 2),
-        "faults": {role: sum(f.get("role") == role for f in faults) for role in ROLES},
+        "faults": dict(Counter(str(f.get("role")) for f in faults)),  # reward: not modelled
         "step_seconds_measured": round(step, 3), "step_seconds_predicted": round(predicted, 3),
         "step_seconds_error": round((predicted - step) / step, 4),
     }  # fmt: skip

@@ -110,6 +110,19 @@ def test_an_episode_lost_max_attempts_times_fails_the_run() -> None:
     assert result["ettr"] < 1.0
 
 
+def test_a_dead_engine_resends_its_turns_and_the_episodes_go_on() -> None:
+    """engine_service.py: a request cut off by a dead engine is sent again to the next one;
+    no episode is re-run, so not even `max_attempts=1` fails the run."""
+    work = sim.WORKLOADS["calculator"]
+    engines = stormy(replace(sim.SMALL, engines=2), work, 1.0, 20, 0, {"engine": 4})
+    result = sim.simulate(replace(engines, max_attempts=1), work, 1.0, 20, 0)
+    assert result["faults"]["engine"] >= 4
+    assert result["turns_resent"] > 0
+    assert result["episodes_rerun"] == 0
+    assert "failed" not in result
+    assert result["steps_done"] == 20
+
+
 def test_a_seed_fixes_the_output() -> None:
     args = ["--workload", "long_tail", "--seed", "3"]
     first, second = sim.main(args), sim.main(args)
