@@ -18,7 +18,35 @@ from torch import Tensor
 
 from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.config import AdvantageConfig
-from omniloop.trajectory import Trajectory
+from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory
+
+Values = float | Sequence[float] | Tensor
+"""One number for every token, or one per token."""
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One trajectory as the trainer needs it (a data-plane row, or a `Trajectory`): per-token
+    values aligned with `input_ids` as in `Trajectory` (DESIGN.md §2)."""
+
+    id: str
+    input_ids: Sequence[int] | Tensor
+    loss_mask: Sequence[int] | Tensor
+    rollout_logprobs: Sequence[float] | Tensor
+    weight_version: Sequence[int] | Tensor
+    advantages: Values
+    """Per token, or one value broadcast to the loss-masked tokens."""
+    stop_reason: str
+    old_logprobs: Values | None = None
+    """PPO's pi_old per token; None leaves it to the backend (its own logprobs)."""
+    ref_logprobs: Values | None = None
+
+    @property
+    def sampled_versions(self) -> list[int]:
+        """The weight version of each sampled (loss-masked) token."""
+        versions = torch.as_tensor(self.weight_version).tolist()
+        mask = torch.as_tensor(self.loss_mask).tolist()
+        return [v for v, m in zip(versions, mask, strict=True) if m]
 
 
 @dataclass(frozen=True)
@@ -77,6 +105,56 @@ class TrainBatch:
         return int((self.loss_mask != 0).sum())
 
     @classmethod
+    def from_rows(cls, rows: Sequence[TrainRow], *, pad_id: int = 0) -> TrainBatch:
+        """Pad rows into a batch: the one place a batch is built (`from_trajectories` makes
+        rows of trajectories). `old_logprobs` are taken from the rows when every row has them.
+        Infrastructure failures are refused: they must be dropped, not trained (DESIGN.md §2).
+        """
+        if not rows:
+            raise ValueError("a batch needs at least one row")
+        n = len(rows)
+        length = max(len(r.input_ids) for r in rows)
+        ids = torch.full((n, length), pad_id, dtype=torch.long)
+        attention = torch.zeros((n, length), dtype=torch.long)
+        loss_mask = torch.zeros((n, length))
+        rollout = torch.zeros((n, length))
+        adv = torch.zeros((n, length))
+        version = torch.full((n, length), -1, dtype=torch.long)
+        with_old = all(r.old_logprobs is not None for r in rows)
+        with_ref = all(r.ref_logprobs is not None for r in rows)
+        old = torch.zeros((n, length)) if with_old else None
+        ref = torch.zeros((n, length)) if with_ref else None
+        for b, row in enumerate(rows):
+            if row.stop_reason in INFRA_STOP_REASONS:
+                raise ValueError(
+                    f"trajectory {row.id} ended with {row.stop_reason}: infrastructure "
+                    "failures are excluded from training, not trained"
+                )
+            k = len(row.input_ids)
+            ids[b, :k] = torch.as_tensor(row.input_ids, dtype=torch.long)
+            attention[b, :k] = 1
+            mask = torch.as_tensor(row.loss_mask, dtype=torch.float32)
+            loss_mask[b, :k] = mask
+            rollout[b, :k] = torch.as_tensor(row.rollout_logprobs, dtype=torch.float32) * mask
+            version[b, :k] = torch.as_tensor(row.weight_version, dtype=torch.long)
+            adv[b, :k] = _row_values(row.advantages, k, "advantages", row.id) * mask
+            if old is not None and row.old_logprobs is not None:
+                old[b, :k] = _row_values(row.old_logprobs, k, "old_logprobs", row.id)
+            if ref is not None and row.ref_logprobs is not None:
+                ref[b, :k] = _row_values(row.ref_logprobs, k, "ref_logprobs", row.id)
+        return cls(
+            input_ids=ids,
+            attention_mask=attention,
+            loss_mask=loss_mask,
+            rollout_logprobs=rollout,
+            advantages=adv,
+            old_logprobs=old,
+            ref_logprobs=ref,
+            weight_version=version,
+            ids=tuple(r.id for r in rows),
+        )
+
+    @classmethod
     def from_trajectories(
         cls,
         trajectories: Sequence[Trajectory],
@@ -104,46 +182,23 @@ class TrainBatch:
         for name, extra in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
             if extra is not None and len(extra) != n:
                 raise ValueError(f"{len(extra)} {name} rows for {n} trajectories")
-        length = max(len(t.input_ids) for t in trajectories)
-        ids = torch.full((n, length), pad_id, dtype=torch.long)
-        attention = torch.zeros((n, length), dtype=torch.long)
-        loss_mask = torch.zeros((n, length))
-        rollout = torch.zeros((n, length))
-        adv = torch.zeros((n, length))
-        version = torch.full((n, length), -1, dtype=torch.long)
-        old = torch.zeros((n, length)) if old_logprobs is not None else None
-        ref = torch.zeros((n, length)) if ref_logprobs is not None else None
-        for row, traj in enumerate(trajectories):
+        rows = []
+        for i, traj in enumerate(trajectories):
             traj.check()
-            if traj.is_infra_failure:
-                raise ValueError(
-                    f"trajectory {traj.id} ended with {traj.meta.stop_reason}: infrastructure "
-                    "failures are excluded from training, not trained"
+            rows.append(
+                TrainRow(
+                    id=traj.id,
+                    input_ids=traj.input_ids,
+                    loss_mask=traj.loss_mask,
+                    rollout_logprobs=traj.rollout_logprobs,
+                    weight_version=traj.weight_version,
+                    advantages=0.0 if advantages is None else advantages[i],
+                    stop_reason=str(traj.meta.stop_reason),
+                    old_logprobs=None if old_logprobs is None else old_logprobs[i],
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[i],
                 )
-            k = len(traj.input_ids)
-            ids[row, :k] = torch.tensor(traj.input_ids, dtype=torch.long)
-            attention[row, :k] = 1
-            mask = torch.tensor(traj.loss_mask, dtype=torch.float32)
-            loss_mask[row, :k] = mask
-            rollout[row, :k] = torch.tensor(traj.rollout_logprobs, dtype=torch.float32) * mask
-            version[row, :k] = torch.tensor(traj.weight_version, dtype=torch.long)
-            if advantages is not None:
-                adv[row, :k] = _row_values(advantages[row], k, "advantages", traj.id) * mask
-            if old is not None and old_logprobs is not None:
-                old[row, :k] = _row_values(old_logprobs[row], k, "old_logprobs", traj.id)
-            if ref is not None and ref_logprobs is not None:
-                ref[row, :k] = _row_values(ref_logprobs[row], k, "ref_logprobs", traj.id)
-        return cls(
-            input_ids=ids,
-            attention_mask=attention,
-            loss_mask=loss_mask,
-            rollout_logprobs=rollout,
-            advantages=adv,
-            old_logprobs=old,
-            ref_logprobs=ref,
-            weight_version=version,
-            ids=tuple(t.id for t in trajectories),
-        )
+            )
+        return cls.from_rows(rows, pad_id=pad_id)
 
     def replace(self, **changes: object) -> TrainBatch:
         """A copy with some fields replaced (e.g. `old_logprobs=backend.logprobs(batch)`)."""
@@ -219,14 +274,19 @@ def trajectory_advantages(
         groups.append(group_index.setdefault(traj.meta.group_id, len(group_index)))
         rewards.append(float(traj.reward) if ok and traj.reward is not None else 0.0)
         valid.append(ok)
-    r = torch.tensor(rewards)
-    g = torch.tensor(groups, dtype=torch.long)
     v = torch.tensor(valid, dtype=torch.bool)
-    if config.estimator == "grpo":
-        adv = group_advantages(r, g, v, normalize_std=config.normalize_std, eps=config.eps)
-    else:
-        adv = rloo_advantages(r, g, v)
+    adv = estimate(torch.tensor(rewards), torch.tensor(groups, dtype=torch.long), v, config)
     return adv, v
+
+
+def estimate(rewards: Tensor, groups: Tensor, valid: Tensor, config: AdvantageConfig) -> Tensor:
+    """Per-sample advantages `(N,)` by `config.estimator` (`grpo` or `rloo`); invalid samples
+    get 0 and are left out of their group's statistics."""
+    if config.estimator == "grpo":
+        return group_advantages(
+            rewards, groups, valid, normalize_std=config.normalize_std, eps=config.eps
+        )
+    return rloo_advantages(rewards, groups, valid)
 
 
 def batch_from_trajectories(

@@ -114,6 +114,10 @@ class RolloutReport:
         }
 
 
+class ActorLost(OmniloopError):
+    """The actor's process died, and its weights, optimizer and data position with it."""
+
+
 class InfraErrorBound(OmniloopError):
     """A step's share of infrastructure failures passed `faults.max_infra_error_share`."""
 
@@ -171,6 +175,12 @@ class Actor(Protocol):
         """Restore a checkpoint; return the step to continue from."""
         ...
 
+    async def recover(self, checkpoint: Path | None) -> int:
+        """After `ActorLost`: wait until the actor serves again, restore `checkpoint` (None:
+        the initial weights and an empty data position), give the engines those weights, and
+        return the step to continue from."""
+        ...
+
 
 class Weights(Protocol):
     """Delivers the actor's weights to every engine."""
@@ -208,25 +218,44 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
 
     production = {k: asyncio.create_task(produce(k)) for k in range(start, config.steps)}
     last = time.perf_counter()
+
+    async def train_and_publish(step: int) -> None:
+        nonlocal last
+        # The actor streams step k's rows while they are still being produced. (Shielded: if
+        # the actor is lost, the step's rows are still wanted, by the restored actor.)
+        trained, (rollout, advantages) = await _together(
+            roles.actor.train(step), asyncio.shield(production[step])
+        )
+        del production[step]
+        if rollout.infra_error_share > config.faults.max_infra_error_share:
+            raise InfraErrorBound(_infra_cause(rollout, config.faults.max_infra_error_share))
+        synced = {}
+        if trained.version != trained.trained_version:
+            synced = await roles.sync.publish(trained.version)
+        # Only after the sync: a rollout this releases must sample the new weights. (After an
+        # actor restore, the steps up to the one it was lost in are released already.)
+        gate.advance(max(step + 1, gate.trainer_version))
+        now = time.perf_counter()
+        await record.step(rollout, advantages, trained, synced, seconds=now - last)
+        last = now
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            await record.checkpoint(roles.actor, step + 1)
+
+    step = start
     try:
-        for step in range(start, config.steps):
-            # The actor streams step k's rows while they are still being produced.
-            trained, (rollout, advantages) = await _together(
-                roles.actor.train(step), production[step]
-            )
-            del production[step]
-            if rollout.infra_error_share > config.faults.max_infra_error_share:
-                raise InfraErrorBound(_infra_cause(rollout, config.faults.max_infra_error_share))
-            synced = {}
-            if trained.version != trained.trained_version:
-                synced = await roles.sync.publish(trained.version)
-            # Only after the sync: a rollout this releases must sample the new weights.
-            gate.advance(step + 1)
-            now = time.perf_counter()
-            await record.step(rollout, advantages, trained, synced, seconds=now - last)
-            last = now
-            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-                await record.checkpoint(roles.actor, step + 1)
+        while step < config.steps:
+            try:
+                await train_and_publish(step)
+            except ActorLost as lost:
+                # Only the actor restarts, from its last checkpoint; rollouts of later steps go
+                # on. The steps since the checkpoint are produced and trained again (same ids).
+                restored = await record.restore_actor(roles.actor, step, lost)
+                for k in range(restored, step + 1):
+                    if k not in production:  # trained and cleared by the lost actor
+                        production[k] = asyncio.create_task(produce(k))
+                step = restored
+                continue
+            step += 1
     finally:
         gate.close()
         for task in production.values():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ from omniloop.errors import EngineError
 from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient
 from omniloop.platform.control.run_config import RunConfig
+
+REGISTRATION_CHECK_S = 2.0
+"""How often an engine replica checks that the actor still has its engine attached."""
+
+log = logging.getLogger(__name__)
 
 
 class EngineServer:
@@ -62,10 +68,24 @@ class EngineServer:
         async with EngineClient(self._url) as engine:
             served = await engine.get_weight_version()
         # Before this replica serves: the engine gets the actor's current weights.
-        await serve.get_app_handle("actor").attach_engine.remote(self._url, served)
+        self._actor = serve.get_app_handle("actor")
+        await self._actor.attach_engine.remote(self._url, served)
+        # An actor restored after a death has no engines: attach again whenever it lacks us.
+        self._registration = asyncio.create_task(self._keep_registered())
 
     async def url(self) -> str:
         return self._url
+
+    async def _keep_registered(self) -> None:
+        while True:
+            await asyncio.sleep(REGISTRATION_CHECK_S)
+            try:
+                if not await self._actor.serves.remote(self._url):
+                    async with EngineClient(self._url) as engine:
+                        served = await engine.get_weight_version()
+                    await self._actor.attach_engine.remote(self._url, served)
+            except Exception as err:  # the actor is down or busy: ask again later
+                log.debug("engine %s: registration check failed: %r", self._url, err)
 
     async def check_health(self) -> None:
         if self._proc is not None and self._proc.poll() is not None:

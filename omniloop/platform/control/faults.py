@@ -122,6 +122,12 @@ class FaultTimeline:
         """Roles with a fault not yet recovered."""
         return list(self._open)
 
+    def take_all(self) -> list[Fault]:
+        """Every fault not handed out before, recovered or not, oldest first."""
+        left = [f for f in self.faults if id(f) not in self._handed_out]
+        self._handed_out.update(id(f) for f in left)
+        return left
+
     def take_finished(self) -> list[Fault]:
         """Recovered faults not handed out before, oldest first."""
         done = [

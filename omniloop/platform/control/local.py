@@ -29,6 +29,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,12 +47,11 @@ from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.staleness import StalenessGate
 from omniloop.platform.data import MicroBatch
 from omniloop.rewards import RewardFn
-from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.backend import TrainerBackend
-from omniloop.trainer.batch import TrainBatch
+from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
 from omniloop.trainer.config import AdvantageConfig
 from omniloop.trainer.weight_sync import WeightSync, WeightSyncError
-from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory, TrajectoryMeta
+from omniloop.trajectory import INFRA_STOP_REASONS
 
 if TYPE_CHECKING:
     from omniloop.platform.data import DataPlane
@@ -246,7 +246,10 @@ class LocalAdvantage:
 
     async def compute(self, step: int) -> dict[str, float]:
         """Write `advantages` for every row of step `step`; return `advantage/*` metrics."""
-        groups: dict[str, list[tuple[str, float, bool, torch.Tensor]]] = {}
+        # Every row of the step, even if a step's advantages were (partly) computed before:
+        # after a replica death or an actor restore the step is computed again, whole.
+        await self._data.reread(step, "advantage")
+        groups: dict[str, list[GroupMember]] = {}
         scored: list[tuple[float, bool]] = []
         stream = self._data.iter_micro_batches(
             step, ADVANTAGE_FIELDS, self._group_size, "advantage", timeout_s=self._read_timeout
@@ -255,10 +258,14 @@ class LocalAdvantage:
             async for batch in batches:
                 for i, row_id in enumerate(batch.ids):
                     meta = batch["meta"][i]
-                    valid = meta["stop_reason"] not in INFRA_STOP_REASONS
-                    row = (row_id, float(batch["reward"][i]), valid, batch["loss_mask"][i])
+                    member = GroupMember(
+                        id=row_id,
+                        reward=float(batch["reward"][i]),
+                        valid=meta["stop_reason"] not in INFRA_STOP_REASONS,
+                        loss_mask=batch["loss_mask"][i],
+                    )
                     members = groups.setdefault(meta["group_id"], [])
-                    members.append(row)
+                    members.append(member)
                     if len(members) == self._group_size:
                         scored += await self._write(step, groups.pop(meta["group_id"]))
         for members in groups.values():
@@ -270,39 +277,44 @@ class LocalAdvantage:
             "advantage/zero_frac": sum(a == 0.0 for a in valid_adv) / n,
         }
 
-    async def _write(
-        self, step: int, members: list[tuple[str, float, bool, torch.Tensor]]
-    ) -> list[tuple[float, bool]]:
-        rewards = torch.tensor([m[1] for m in members])
-        valid = torch.tensor([m[2] for m in members])
+    async def _write(self, step: int, members: list[GroupMember]) -> list[tuple[float, bool]]:
+        valid = torch.tensor([m.valid for m in members])
+        # Infrastructure failures have a NaN reward; they are left out of the statistics.
+        rewards = torch.tensor([m.reward if m.valid else 0.0 for m in members])
         one_group = torch.zeros(len(members), dtype=torch.long)
-        if self._config.estimator == "grpo":
-            adv = group_advantages(
-                rewards,
-                one_group,
-                valid,
-                normalize_std=self._config.normalize_std,
-                eps=self._config.eps,
-            )
-        else:
-            adv = rloo_advantages(rewards, one_group, valid)
-        pairs = list(zip(adv.tolist(), members, strict=True))
-        per_token = [(a * m[3].float()).tolist() for a, m in pairs]
-        await self._data.put_field(step, [m[0] for m in members], "advantages", per_token)
-        return [(float(a), m[2]) for a, m in pairs]
+        adv = estimate(rewards, one_group, valid, self._config)
+        per_token = [(a * m.loss_mask.float()).tolist() for a, m in zip(adv, members, strict=True)]
+        await self._data.put_field(step, [m.id for m in members], "advantages", per_token)
+        return [(float(a), m.valid) for a, m in zip(adv.tolist(), members, strict=True)]
 
 
-def _row_trajectory(batch: MicroBatch, i: int) -> Trajectory:
-    """The trajectory of row `i` of a micro-batch read with `TRAIN_FIELDS`."""
-    return Trajectory(
-        id=batch.ids[i],
-        input_ids=batch["input_ids"][i].tolist(),
-        loss_mask=batch["loss_mask"][i].tolist(),
-        rollout_logprobs=batch["rollout_logprobs"][i].tolist(),
-        weight_version=batch["weight_version"][i].tolist(),
-        prompt_length=int(batch["prompt_length"][i]),
-        meta=TrajectoryMeta.model_validate(batch["meta"][i]),
-    )
+@dataclass(frozen=True)
+class GroupMember:
+    """What the advantage stage reads of one row."""
+
+    id: str
+    reward: float
+    """NaN for an infrastructure failure (`valid` False)."""
+    valid: bool
+    loss_mask: torch.Tensor
+
+
+def train_rows(batch: MicroBatch) -> list[TrainRow]:
+    """The rows of a micro-batch read with `TRAIN_FIELDS`, typed; PPO's pi_old is the policy
+    that sampled each row (its rollout logprobs)."""
+    return [
+        TrainRow(
+            id=batch.ids[i],
+            input_ids=batch["input_ids"][i],
+            loss_mask=batch["loss_mask"][i],
+            rollout_logprobs=batch["rollout_logprobs"][i],
+            weight_version=batch["weight_version"][i],
+            advantages=batch["advantages"][i],
+            stop_reason=str(batch["meta"][i]["stop_reason"]),
+            old_logprobs=batch["rollout_logprobs"][i],
+        )
+        for i in range(len(batch))
+    ]
 
 
 class LocalActor:
@@ -330,6 +342,11 @@ class LocalActor:
         # Trainer-side defence in depth (DESIGN.md §2): the producers are throttled by the
         # controller's gate; this one only audits what arrives.
         self._gate = StalenessGate(config.max_staleness)
+        # After a restore (`restored`), rows sampled by weights newer than the checkpoint's,
+        # which died with the lost actor, are trained as they are (their pi_old is their own
+        # rollout logprobs) and counted; any other sample newer than the trainer is a bug.
+        self._restored_from: int | None = None
+        self._from_lost_weights = 0
 
     @property
     def version(self) -> int:
@@ -340,8 +357,7 @@ class LocalActor:
         """One optimizer step on step `step`'s admitted samples (none: no step is taken)."""
         started = time.perf_counter()
         version = self._backend.version
-        kept: list[Trajectory] = []
-        advantages: list[list[float]] = []
+        kept: list[TrainRow] = []
         trained: list[tuple[str, int]] = []
         excluded = 0
         stream = self._data.iter_micro_batches(
@@ -349,27 +365,24 @@ class LocalActor:
         )
         async with _closing(stream) as batches:
             async for batch in batches:
-                for i in range(len(batch)):
-                    trajectory = _row_trajectory(batch, i)
-                    if trajectory.is_infra_failure:
+                for row in train_rows(batch):
+                    if row.stop_reason in INFRA_STOP_REASONS:
                         excluded += 1
                         continue
-                    versions = zip(trajectory.weight_version, trajectory.loss_mask, strict=True)
-                    sampled = [v for v, m in versions if m]
-                    if not sampled or not self._gate.admit(min(sampled), version):
+                    sampled = row.sampled_versions
+                    if not sampled or not self._admit(min(sampled), version):
                         continue
-                    kept.append(trajectory)
-                    advantages.append(batch["advantages"][i].tolist())
-                    trained.append((trajectory.id, min(sampled)))
+                    kept.append(row)
+                    trained.append((row.id, min(sampled)))
         waited = time.perf_counter() - started
         metrics: dict[str, float] = {}
         if kept:
-            # PPO's pi_old is the policy that sampled the data: the engine's logprobs. With
-            # stale samples the ratio to the current policy is then real and the clip bounds
-            # how far one step moves on them (with the backend's default, the current policy's
-            # own logprobs, stale samples would be trained as if on-policy, unclipped).
-            behaviour = [t.rollout_logprobs for t in kept]
-            batch_ = TrainBatch.from_trajectories(kept, advantages, old_logprobs=behaviour)
+            # PPO's pi_old is the policy that sampled the data: the engine's logprobs (see
+            # `train_rows`). With stale samples the ratio to the current policy is then real
+            # and the clip bounds how far one step moves on them (with the backend's default,
+            # the current policy's own logprobs, stale samples would be trained as if
+            # on-policy, unclipped).
+            batch_ = TrainBatch.from_rows(kept)
             async with self._lock:
                 raw = await asyncio.to_thread(self._backend.train_step, batch_)
             # The backend's own timing keys describe the optimizer step alone.
@@ -379,6 +392,8 @@ class LocalActor:
             }
             metrics = {renames.get(k, k): v for k, v in raw.items()}
         metrics.update(self._gate.metrics(reset=True))
+        metrics["staleness/from_lost_weights"] = float(self._from_lost_weights)
+        self._from_lost_weights = 0
         metrics["perf/train_wait_seconds"] = waited
         metrics["actor/excluded_infra_failures"] = float(excluded)
         await self._data.clear(step)
@@ -389,6 +404,22 @@ class LocalActor:
             trained=trained,
             metrics=metrics,
         )
+
+    def _admit(self, sample_version: int, version: int) -> bool:
+        if self._restored_from is not None and sample_version > version:
+            self._from_lost_weights += 1
+            return True
+        return self._gate.admit(sample_version, version)
+
+    def restored(self) -> None:
+        """This actor replaces a lost one: the engines may have served weights newer than the
+        ones it restored."""
+        self._restored_from = self._backend.version
+
+    async def forget_consumed(self) -> None:
+        """Start the data position afresh: every row not trained since is handed out again."""
+        empty = {**self._data.consumed_state(), "consumers": {}}
+        self._data.restore_consumed(empty)
 
     async def save(self, path: Path, step: int) -> None:
         """Checkpoint to `path`: trainer state plus data position `step` and consumed ids."""
@@ -401,6 +432,13 @@ class LocalActor:
             },
         }
         await asyncio.to_thread(self._backend.save, path, position)
+
+    async def recover(self, checkpoint: Path | None) -> int:
+        """An actor in this process keeps its state as long as the run: only its checkpoint
+        can be restored, as `load` does."""
+        if checkpoint is None:
+            raise RuntimeError("an actor in this process has no state to lose or recover")
+        return await self.load(checkpoint)
 
     async def load(self, path: Path) -> int:
         """Restore a `save` checkpoint; returns the step to continue from."""
@@ -448,6 +486,10 @@ class ActorWeights:
         """The engines publishes go to."""
         return list(self._urls)
 
+    def serves(self, url: str) -> bool:
+        """Whether the engine at `url` is attached."""
+        return url in self._urls
+
     async def publish(self, version: int) -> dict[str, float]:
         """Return once every engine serves the actor's weights as `version`."""
         async with self.lock:
@@ -462,7 +504,7 @@ class ActorWeights:
             # weights); its replacement, if any, gets the current weights when it attaches.
             if not await self._drop_dead_engines():
                 raise
-            metrics = await self._send(version) if self._sync is not None else {}
+            metrics = await self._send(version)
         return {
             **metrics,
             "perf/sync_seconds": time.perf_counter() - started,
@@ -471,7 +513,9 @@ class ActorWeights:
 
     async def _send(self, version: int) -> dict[str, float]:
         if self._sync is None:
-            raise WeightSyncError("no engine to publish to: none has been attached")
+            # No engine is attached (the last one died): whichever attaches next gets the
+            # current weights as it attaches.
+            return {}
         return await self._sync.publish(self._backend.named_weights(), version)
 
     async def _drop_dead_engines(self) -> bool:

@@ -16,7 +16,7 @@ from rich.progress import Progress, TaskID
 from omniloop.errors import ConfigError
 from omniloop.platform.control.console import console
 from omniloop.platform.control.controller import Actor, RolloutReport, TrainReport
-from omniloop.platform.control.faults import FaultTimeline
+from omniloop.platform.control.faults import Fault, FaultTimeline
 from omniloop.platform.control.metrics import MetricsSink, truncate_jsonl
 from omniloop.platform.control.run_config import RunConfig
 
@@ -54,6 +54,7 @@ class RunRecord:
         self._progress = progress
         self._store = store
         self._bars: dict[int, TaskID] = {}
+        self._restored_at: set[int] = set()
 
     def rewind(self, step: int) -> None:
         """Drop what the logs hold from step `step` on (a resumed run redoes those steps)."""
@@ -62,6 +63,8 @@ class RunRecord:
 
     def episodes_started(self, step: int, total: int) -> None:
         """A progress bar for `step` (called by the rollout when the step starts)."""
+        if step in self._bars:  # produced again after an actor restore
+            self._progress.remove_task(self._bars.pop(step))
         self._bars[step] = self._progress.add_task(f"step {step + 1}", total=total)
 
     def episodes_done(self, step: int, count: int) -> None:
@@ -98,16 +101,44 @@ class RunRecord:
         metrics["faults/count"] = float(len(faults))
         recovery = [f.recovery_seconds or 0.0 for f in faults]
         metrics["faults/recovery_seconds"] = max(recovery) if recovery else 0.0
-        with self.faults_path.open("a") as stream:
-            for fault in faults:
-                stream.write(json.dumps({"step": trained.step, **fault.to_json()}) + "\n")
-        for fault in faults:
-            await self._store.record_run_event(
-                self.run_id, "fault", {"step": trained.step, **fault.to_json()}
-            )
+        await self._record_faults(trained.step, faults)
         await self._store.record_metrics(self.run_id, trained.step, metrics)
         self._sink.log(trained.step, metrics, total_steps=self._config.steps)
         return metrics
+
+    async def _record_faults(self, step: int, faults: list[Fault]) -> None:
+        with self.faults_path.open("a") as stream:
+            for fault in faults:
+                stream.write(json.dumps({"step": step, **fault.to_json()}) + "\n")
+        for fault in faults:
+            await self._store.record_run_event(
+                self.run_id, "fault", {"step": step, **fault.to_json()}
+            )
+
+    async def finish(self, step: int) -> None:
+        """Record the faults no step has recorded yet: those that recovered after the last
+        step, and those still open (`recovered_at` None) when the run ended."""
+        await self._record_faults(step, self.timeline.take_all())
+
+    async def restore_actor(self, actor: Actor, step: int, lost: Exception) -> int:
+        """Restore a lost actor from the newest checkpoint; return the step to go on from.
+
+        Raises `RoleFailed` when the actor is lost again at a step it was already restored for
+        (a trainer that dies deterministically, out of memory say, would loop forever)."""
+        from omniloop.platform.control.faults import RoleFailed
+
+        if step in self._restored_at:
+            raise RoleFailed(f"the actor was lost twice at step {step}: {lost}") from lost
+        self._restored_at.add(step)
+        found = checkpoints(self.run_dir)
+        checkpoint = found[-1] if found else None
+        since = checkpoint.name if checkpoint else "the start"
+        self.timeline.failed(
+            "actor", "", f"{type(lost).__name__}: {lost}", f"{since} to step {step}"
+        )
+        restored = await actor.recover(checkpoint)
+        self.rewind(restored)
+        return restored
 
     async def checkpoint(self, actor: Actor, step: int) -> Path:
         """Save `checkpoints/step_{step}` and delete all but the newest `keep_checkpoints`."""

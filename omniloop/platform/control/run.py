@@ -116,7 +116,10 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
                 soft_wrap=True,
             )
         record.rewind(start)
-        await _supervised(train_loop(roles, record, config, start), roles)
+        try:
+            await _supervised(train_loop(roles, record, config, start), roles)
+        finally:
+            await asyncio.shield(record.finish(config.steps - 1))
     return run_dir
 
 

@@ -28,14 +28,16 @@ replica, not deployments of their own; reward functions run inside the rollout r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import os
 import sys
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 # Serve's router asks replicas for their queue length and warns when one answers later than
 # this (0.2 s by default): on a loaded 2-core machine that is every few calls. Read at import.
@@ -51,6 +53,7 @@ from ray.serve.exceptions import (
 from ray.serve.handle import DeploymentHandle
 
 from omniloop.platform.control.controller import (
+    ActorLost,
     EpisodeSummary,
     Roles,
     TrainReport,
@@ -61,6 +64,8 @@ from omniloop.platform.control.health import HealthMonitor
 from omniloop.platform.control.local import StepRollout
 from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
+
+T = TypeVar("T")
 
 ROLE_APPS = ("actor", "engine", "reward", "rollout", "advantage")
 SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
@@ -138,8 +143,8 @@ class AdvantageServer:
         from omniloop.platform.data import DataPlane
 
         self._data = DataPlane.start()
-        # A fresh replica, maybe replacing a dead one: read every row of a step again.
-        self._data.restore_consumed(self._data.consumed_state())
+        # Each `compute` reads its step whole (`DataPlane.reread`), so a replacement replica
+        # recomputes a step its predecessor had half done.
         self._advantage = LocalAdvantage(
             self._data,
             config.trainer.advantage,
@@ -182,6 +187,25 @@ class ActorServer:
         step = await self._actor.load(Path(path))
         return step, self._actor.version
 
+    async def start_over(self) -> tuple[int, int]:
+        """A replica that replaces a lost one, with no checkpoint to restore: the initial
+        weights and every row unread."""
+        await self._actor.forget_consumed()
+        self._actor.restored()
+        return 0, self._actor.version
+
+    async def restore(self, path: str) -> tuple[int, int]:
+        """A replica that replaces a lost one restores the checkpoint at `path`."""
+        step = await self._actor.load(Path(path))
+        self._actor.restored()
+        return step, self._actor.version
+
+    async def serves(self, url: str) -> bool:
+        return self._weights.serves(url)
+
+    async def engines(self) -> int:
+        return len(self._weights.engine_urls)
+
     async def publish(self, version: int) -> dict[str, float]:
         return await self._weights.publish(version)
 
@@ -220,21 +244,47 @@ class ServiceAdvantage:
 class ServiceActor:
     """`Actor` over the actor deployment (one replica)."""
 
-    def __init__(self, handle: DeploymentHandle, version: int) -> None:
+    def __init__(self, handle: DeploymentHandle, version: int, wait_s: float) -> None:
         self._handle = handle
         self._version = version
+        self._wait_s = wait_s
 
     @property
     def version(self) -> int:
         return self._version
 
     async def train(self, step: int) -> TrainReport:
-        report: TrainReport = await self._handle.train.remote(step)
+        report: TrainReport = await _lost_is_actor_lost(
+            self._handle.train.remote(step), f"training step {step}"
+        )
         self._version = report.version
         return report
 
+    async def recover(self, checkpoint: Path | None) -> int:
+        """Wait for the replacement replica, restore `checkpoint` in it, wait for an engine
+        to attach, and publish the restored weights."""
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            try:
+                await self._handle.version.remote()
+                break
+            except Exception as err:
+                if classify_failure(err) is None or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+        if checkpoint is None:
+            step, self._version = await self._handle.start_over.remote()
+        else:
+            step, self._version = await self._handle.restore.remote(str(checkpoint))
+        while not await self._handle.engines.remote():
+            if time.monotonic() > deadline:
+                raise ActorLost(f"no engine attached to the restored actor in {self._wait_s}s")
+            await asyncio.sleep(1.0)
+        await self._handle.publish.remote(self._version)
+        return int(step)
+
     async def save(self, path: Path, step: int) -> None:
-        await self._handle.save.remote(str(path), step)
+        await _lost_is_actor_lost(self._handle.save.remote(str(path), step), "saving")
 
     async def load(self, path: Path) -> int:
         step, self._version = await self._handle.load.remote(str(path))
@@ -248,8 +298,21 @@ class ServiceWeights:
         self._handle = handle
 
     async def publish(self, version: int) -> dict[str, float]:
-        result: dict[str, float] = await self._handle.publish.remote(version)
+        result: dict[str, float] = await _lost_is_actor_lost(
+            self._handle.publish.remote(version), f"publishing version {version}"
+        )
         return result
+
+
+async def _lost_is_actor_lost(call: Awaitable[T], doing: str) -> T:
+    """`await call`, raising `ActorLost` if the actor's replica died meanwhile."""
+    try:
+        return await call
+    except Exception as err:
+        failure = classify_failure(err)
+        if failure is not None and failure[0] == "lost":
+            raise ActorLost(f"the actor replica died {doing}: {err}") from err
+        raise
 
 
 @contextlib.asynccontextmanager
@@ -361,7 +424,7 @@ async def service_roles(
                 on_episode=on_episode,
             ),
             advantage=ServiceAdvantage(advantage, retry),
-            actor=ServiceActor(actor, version),
+            actor=ServiceActor(actor, version, settings.engine_wait_s),
             sync=ServiceWeights(actor),
             monitor=HealthMonitor(
                 {
@@ -387,13 +450,14 @@ def _undeploy() -> None:
 
 def replica_pids(role: str) -> list[int]:
     """Process ids of the live replicas of `role` on this machine (for chaos tests and
-    benchmarks): Ray titles each replica's process `ray::ServeReplica:{app}:{deployment}`."""
+    benchmarks): Ray titles each replica's process `ray::ServeReplica:{app}:{deployment}`.
+    Processes a replica forked keep its title; they are left out."""
     import psutil
 
     title = f"ray::ServeReplica:{role}:"
-    pids = []
-    for process in psutil.process_iter(["cmdline"]):
+    titled: dict[int, int] = {}
+    for process in psutil.process_iter(["cmdline", "ppid"]):
         cmdline = process.info["cmdline"] or []
         if cmdline and cmdline[0].startswith(title):
-            pids.append(process.pid)
-    return pids
+            titled[process.pid] = process.info["ppid"]
+    return [pid for pid, parent in titled.items() if parent not in titled]

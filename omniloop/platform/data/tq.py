@@ -539,6 +539,19 @@ class DataPlane:
 
     # ------------------------------------------------------------------ consumption state
 
+    async def reread(self, step: int, consumer: str) -> None:
+        """Hand every row of `step` to `consumer` again from its next read on: forget the ids
+        handed to it here and reset the queue's marks. For a stage that recomputes a whole step
+        with idempotent writes (the advantages), never for the trainer."""
+        self._check_open()
+        partition = partition_id(step)
+        self._consumed.get(consumer, {}).pop(partition, None)
+        for key in [k for k in self._leftover if k[0] == partition and k[1] == consumer]:
+            del self._leftover[key]
+        if partition in await self._client.async_get_partition_list():
+            await self._client.async_reset_consumption(partition_id=partition, task_name=consumer)
+        self._reset_done.add((partition, consumer))
+
     def consumed_state(self) -> dict[str, Any]:
         """`{"format": 1, "consumers": {consumer: {partition: [ids...]}}}`, JSON-ready.
 

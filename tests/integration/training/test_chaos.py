@@ -6,7 +6,9 @@ of that step's work: a rollout replica while step 1's episodes run, the advantag
 while step 3's groups arrive, the engine's replica (and so its engine) during step 4. Ray
 Serve replaces each; the controller re-runs what was cut off; episodes waiting on the dead
 engine resume on its replacement, which has the current weights before it serves (a sample of
-older weights would be refused by the actor and missing from `trained.jsonl`).
+older weights would be refused by the actor and missing from `trained.jsonl`); the actor's
+replica during step 7: only the actor restarts, from its checkpoint of step 6, while the rollout
+goes on, and steps 6 and 7 are produced and trained again under the same ids.
 
 Afterwards: the run completed; every trajectory id of every step was trained exactly once
 (`trained.jsonl`); the store holds every episode once; each kill is a fault on the timeline
@@ -38,10 +40,11 @@ from omniloop.trajectory import trajectory_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 6
+STEPS = 8
+CHECKPOINT_EVERY = 3
 TASKS_PER_STEP = 4
 SAMPLES = 4
-KILLS = {"rollout": 1, "advantage": 3, "engine": 4}
+KILLS = {"rollout": 1, "advantage": 3, "engine": 4, "actor": 7}
 """Role -> the step during whose rollout one of its replicas is killed."""
 
 
@@ -89,7 +92,7 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
             "tasks_per_step": TASKS_PER_STEP,
             "rollout.samples_per_task": SAMPLES,
             "max_staleness": 1,
-            "checkpoint_every": STEPS,
+            "checkpoint_every": CHECKPOINT_EVERY,
             "services.mode": "services",
             "services.rollout_replicas": 2,
         },
@@ -115,6 +118,13 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
 
 def test_each_role_was_killed_mid_run(chaos_run: ChaosRun) -> None:
     assert set(chaos_run.killed) == set(KILLS)
+
+
+def test_the_restored_actor_continues_from_its_checkpoint(chaos_run: ChaosRun) -> None:
+    versions = [(s["trainer_version"], s["version"]) for s in chaos_run.trained]
+    # One optimizer step per trained step, across the restore: the redone steps start from
+    # the checkpoint's version, not from the lost actor's.
+    assert versions == [(k, k + 1) for k in range(STEPS)]
 
 
 def test_episodes_waiting_on_the_dead_engine_resumed_on_its_replacement(

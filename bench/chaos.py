@@ -1,0 +1,182 @@
+"""Recovery per role, and the effective training time ratio under random SIGKILLs.
+
+The toy tool task (tiny model warm-started on the call format) is trained twice in this
+invocation, with the roles as Ray Serve deployments: once undisturbed (the baseline), once
+while a watcher SIGKILLs the process of one replica of a random role (`rollout`, `reward`,
+`advantage`, `engine`, `actor`) every `--kill-every` seconds. Both runs train the same steps.
+
+Prints ONE JSON line:
+- `recovery_s`: role -> seconds from the failure being detected to the role being back at full
+  strength (from the run's fault timeline, `faults.jsonl`; the median when a role was killed
+  more than once);
+- `lost`: trajectory ids of the run's steps that were never trained; `trained_twice`: ids
+  trained more than once (from `trained.jsonl`);
+- `ettr`: the effective training time ratio, the undisturbed run's wall time of its training
+  loop divided by the disturbed run's: the share of the disturbed run's time that was as
+  productive as an undisturbed run (1.0: failures cost nothing);
+- the kills (time, role), both wall times, steps, and the load average.
+
+    .venv/bin/python bench/chaos.py [--steps 30] [--kill-every 60] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "examples" / "toy_tool"
+ROLES = ("rollout", "reward", "advantage", "engine", "actor")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train(model: Path, run_dir: Path, steps: int, killer: Killer | None) -> float:
+    """Train `steps` steps (SIGKILLs from `killer` meanwhile); the training loop's seconds."""
+    from omniloop.config import load_config
+    from omniloop.platform.control.run import run
+    from omniloop.platform.control.run_config import RunConfig
+
+    config = load_config(
+        RunConfig,
+        TOY / "train.yaml",
+        [
+            f"model={model}",
+            f"run_dir={run_dir}",
+            f"steps={steps}",
+            "checkpoint_every=5",
+            "tensorboard=false",
+            f"database=sqlite:///{run_dir}/omniloop.db",
+            "services.mode=services",
+        ],
+    )
+    if killer is not None:
+        killer.start()
+    try:
+        asyncio.run(run(config))
+    finally:
+        if killer is not None:
+            killer.stop()
+    return sum(m["perf/step_seconds"] for m in _read_jsonl(run_dir / "metrics.jsonl"))
+
+
+class Killer:
+    """SIGKILLs a random role's replica every `every` seconds once the run has started."""
+
+    def __init__(self, run_dir: Path, every: float, seed: int) -> None:
+        self._run_dir = run_dir
+        self._every = every
+        self._random = random.Random(seed)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.kills: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        from omniloop.platform.control.services import replica_pids
+
+        # The first kill comes `every` seconds after the first step is recorded.
+        while not (self._run_dir / "metrics.jsonl").exists():
+            if self._stop.wait(0.2):
+                return
+        while not self._stop.wait(self._every):
+            role = self._random.choice(ROLES)
+            pids = replica_pids(role)
+            if not pids:
+                continue
+            pid = self._random.choice(pids)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            self.kills.append({"t": round(time.time(), 1), "role": role, "pid": pid})
+
+
+def _expected_ids(run_dir: Path, steps: int, tasks_per_step: int, samples: int) -> set[str]:
+    from omniloop.platform.control.components import load_tasks
+    from omniloop.platform.control.local import step_tasks
+    from omniloop.trajectory import trajectory_id
+
+    run_id = (run_dir / "run_id").read_text().strip()
+    tasks = load_tasks(str(TOY / "tasks.jsonl"))
+    return {
+        trajectory_id(run_id, f"step{k}/{task.id}/{sample}")
+        for k in range(steps)
+        for task in step_tasks(tasks, k, tasks_per_step)
+        for sample in range(samples)
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kill-every", type=float, default=60.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(TOY))
+
+    import yaml
+    from warm_start import warm_start
+
+    toy = yaml.safe_load((TOY / "train.yaml").read_text())
+    tasks_per_step, samples = toy["tasks_per_step"], toy["rollout"]["samples_per_task"]
+    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
+        root = Path(scratch)
+        model = warm_start(root / "model")
+        baseline_s = train(model, root / "baseline", args.steps, None)
+        killer = Killer(root / "chaos", args.kill_every, args.seed)
+        chaos_s = train(model, root / "chaos", args.steps, killer)
+        trained = _read_jsonl(root / "chaos" / "trained.jsonl")
+        faults = _read_jsonl(root / "chaos" / "faults.jsonl")
+        expected = _expected_ids(root / "chaos", args.steps, tasks_per_step, samples)
+    ids = [i for step in trained for i, _ in step["samples"]]
+    by_role: dict[str, list[float]] = {}
+    for fault in faults:
+        if fault.get("recovery_seconds") is not None:
+            by_role.setdefault(fault["role"], []).append(fault["recovery_seconds"])
+    print(
+        json.dumps(
+            {
+                "bench": "chaos",
+                "recovery_s": {r: round(statistics.median(v), 1) for r, v in by_role.items()},
+                "lost": len(expected - set(ids)),
+                "trained_twice": len(ids) - len(set(ids)),
+                "ettr": round(baseline_s / chaos_s, 3),
+                "kills": killer.kills,
+                "faults": len(faults),
+                "unrecovered_faults": sum(f.get("recovery_seconds") is None for f in faults),
+                "baseline_loop_s": round(baseline_s, 1),
+                "chaos_loop_s": round(chaos_s, 1),
+                "steps": args.steps,
+                "kill_every_s": args.kill_every,
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Step time through the role services vs the same roles in one process.
+
+The same run (the toy tool task, tiny model warm-started on the call format, 32 episodes per
+step, `max_staleness=1`) is trained with `services.mode=in_process` and with
+`services.mode=services` (rollout, reward, advantage, actor and engine as Ray Serve
+deployments), alternately, `--rounds` times each, in one invocation, so both meet the same
+machine. Step time is the control loop's `perf/step_seconds`, median over the steps of every
+round of a mode after its first `WARMUP_STEPS` (the first steps of a run also pay for warm
+pools and first compilations); start-up (Ray, Serve deployments, engine, model) is reported
+apart.
+
+Prints ONE JSON line: `step_seconds_services`, `step_seconds_in_process`, `ratio` (services /
+in process), the episodes per second of each, start-up seconds of each, and the load average.
+
+    .venv/bin/python bench/services_overhead.py [--steps 10] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TOY = REPO / "examples" / "toy_tool"
+WARMUP_STEPS = 2
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_once(model: Path, run_dir: Path, mode: str, steps: int) -> dict[str, Any]:
+    """Train `steps` steps with the roles in `mode`; the step metrics and start-up seconds."""
+    from omniloop.config import load_config
+    from omniloop.platform.control.run import run
+    from omniloop.platform.control.run_config import RunConfig
+
+    config = load_config(
+        RunConfig,
+        TOY / "train.yaml",
+        [
+            f"model={model}",
+            f"run_dir={run_dir}",
+            f"steps={steps}",
+            f"checkpoint_every={steps}",
+            "tensorboard=false",
+            f"database=sqlite:///{run_dir}/omniloop.db",
+            f"services.mode={mode}",
+        ],
+    )
+    started = time.perf_counter()
+    asyncio.run(run(config))
+    total = time.perf_counter() - started
+    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    return {"metrics": metrics, "startup_s": total - sum(m["perf/step_seconds"] for m in metrics)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10, help="steps per run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating")
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(TOY))
+
+    from warm_start import warm_start
+
+    steps: dict[str, list[float]] = {"in_process": [], "services": []}
+    episodes: dict[str, list[float]] = {"in_process": [], "services": []}
+    startup: dict[str, list[float]] = {"in_process": [], "services": []}
+    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
+        root = Path(scratch)
+        model = warm_start(root / "model")
+        for round_ in range(args.rounds):
+            for mode in ("in_process", "services"):
+                result = train_once(model, root / f"{mode}-{round_}", mode, args.steps)
+                kept = result["metrics"][WARMUP_STEPS:]
+                steps[mode] += [m["perf/step_seconds"] for m in kept]
+                episodes[mode] += [m["episodes/count"] / m["perf/step_seconds"] for m in kept]
+                startup[mode].append(result["startup_s"])
+    services = statistics.median(steps["services"])
+    in_process = statistics.median(steps["in_process"])
+    print(
+        json.dumps(
+            {
+                "bench": "services_overhead",
+                "step_seconds_services": round(services, 3),
+                "step_seconds_in_process": round(in_process, 3),
+                "ratio": round(services / in_process, 3),
+                "episodes_per_s_services": round(statistics.median(episodes["services"]), 2),
+                "episodes_per_s_in_process": round(statistics.median(episodes["in_process"]), 2),
+                "startup_s_services": round(statistics.median(startup["services"]), 1),
+                "startup_s_in_process": round(statistics.median(startup["in_process"]), 1),
+                "steps_measured_per_mode": len(steps["services"]),
+                "rounds": args.rounds,
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

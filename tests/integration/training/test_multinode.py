@@ -1,0 +1,124 @@
+"""Two nodes: roles placed by their resource requests, a node lost mid-run, the run completes.
+
+A `ray.cluster_utils.Cluster` on this machine: a head node (CPUs, a `head` resource, one
+`rollout` slot) and a worker node with only a `rollout` slot, each its own raylet. The run
+joins the cluster by address (`ray_address`); its rollout deployment asks for one `rollout`
+slot per replica and at most one replica per node, so its two replicas run one on each node;
+the other roles ask for the `head` resource and run on the head (the queue's actors, needing a
+CPU, do too). Mid-run the worker node is removed (its raylet and every process on it end), and
+a new one joins a little later: the lost replica's episodes are re-run on the head's, Serve
+places the replacement on the new node, and the run completes with every trajectory trained
+once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from ray.cluster_utils import Cluster
+
+from omniloop.platform.control.run import run
+from omniloop.platform.control.services import replica_pids
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 6
+EPISODES = 16
+LOSE_AT_STEP = 2
+HEAD_ROLES = ("actor", "engine", "advantage", "reward")
+"""Roles that ask for the head's `head` resource (the trainer, the engine and their peers)."""
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _raylets(pids: list[int]) -> set[int]:
+    """The raylets (nodes) the processes `pids` run under."""
+    return {psutil.Process(pid).ppid() for pid in pids}
+
+
+def _lose_a_node(
+    cluster: Cluster, run_dir: Path, seen: dict[str, Any], stop: threading.Event
+) -> None:
+    written = run_dir / "trajectories" / f"step_{LOSE_AT_STEP}.jsonl"
+    while not stop.is_set():
+        if written.is_file() and written.read_text().strip():
+            break
+        time.sleep(0.05)
+    else:
+        return
+    seen["raylets_before"] = _raylets(replica_pids("rollout"))
+    cluster.remove_node(seen["worker"], allow_graceful=False)
+    seen["lost_at"] = time.time()
+    time.sleep(5)
+    cluster.add_node(num_cpus=0, resources={"rollout": 1})
+
+
+@pytest.fixture(scope="module")
+def multinode_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 8,
+            "resources": {"rollout": 1, "head": 100},
+            "include_dashboard": False,
+        },
+    )
+    seen: dict[str, Any] = {"worker": cluster.add_node(num_cpus=0, resources={"rollout": 1})}
+    run_dir = tmp_path_factory.mktemp("multinode")
+    config = toy_config(
+        run_dir,
+        {
+            "ray_address": cluster.address,
+            "steps": STEPS,
+            "tasks_per_step": 4,
+            "rollout.samples_per_task": 4,
+            "checkpoint_every": STEPS,
+            "services.rollout_replicas": 2,
+            "services.placement": {
+                "rollout": {"resources": {"rollout": 1}, "max_replicas_per_node": 1},
+                **{role: {"resources": {"head": 1}} for role in HEAD_ROLES},
+            },
+        },
+    )
+    stop = threading.Event()
+    loser = threading.Thread(target=_lose_a_node, args=(cluster, run_dir, seen, stop))
+    loser.start()
+    try:
+        asyncio.run(run(config))
+    finally:
+        stop.set()
+        loser.join()
+        cluster.shutdown()
+    seen["run_dir"] = run_dir
+    return seen
+
+
+def test_rollout_replicas_ran_on_both_nodes(multinode_run: dict[str, Any]) -> None:
+    assert len(multinode_run["raylets_before"]) == 2
+
+
+def test_the_run_completes_with_every_trajectory_trained_once(
+    multinode_run: dict[str, Any],
+) -> None:
+    run_dir: Path = multinode_run["run_dir"]
+    assert "lost_at" in multinode_run, "the node was never removed"
+    trained = read_jsonl(run_dir / "trained.jsonl")
+    assert [s["step"] for s in trained] == list(range(STEPS))
+    ids = [i for s in trained for i, _ in s["samples"]]
+    assert len(ids) == len(set(ids)) == STEPS * EPISODES
+
+
+def test_the_node_loss_is_on_the_fault_timeline(multinode_run: dict[str, Any]) -> None:
+    faults = read_jsonl(multinode_run["run_dir"] / "faults.jsonl")
+    rollout = [f for f in faults if f["role"] == "rollout"]
+    assert rollout, faults
+    assert rollout[0]["detected_at"] >= multinode_run["lost_at"] - 1
