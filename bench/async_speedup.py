@@ -24,7 +24,10 @@ Prints ONE JSON line:
   (rewards are 0 or 1), and `final_rewards_within_noise` whether they differ by less;
 - stage times, per-run wall times and CPU seconds, the load average, thread settings.
 
-    .venv/bin/python bench/async_speedup.py [--quick] [--steps N]
+    .venv/bin/python bench/async_speedup.py [--quick] [--steps N] [--mode services|in_process]
+
+With the roles as services (the default), the CPU seconds count this process and its children
+only: the replicas are Ray's workers, not children of this process.
 """
 
 from __future__ import annotations
@@ -101,7 +104,9 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def train_once(model: Path, run_dir: Path, max_staleness: int, steps: int) -> dict[str, Any]:
+def train_once(
+    model: Path, run_dir: Path, max_staleness: int, steps: int, mode: str = "services"
+) -> dict[str, Any]:
     """Train `steps` steps; return wall/CPU seconds and the per-step metrics."""
     from omniloop.config import load_config
     from omniloop.platform.control.run import run
@@ -124,6 +129,7 @@ def train_once(model: Path, run_dir: Path, max_staleness: int, steps: int) -> di
             # Room for the three steps a bound of 2 lets run at once (32 episodes each).
             "rollout.concurrency=96",
             "rollout.sandbox.pool_size=32",
+            f"services.mode={mode}",
         ],
     )
     cpu, wall = _cpu_seconds(), time.perf_counter()
@@ -147,6 +153,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="8 steps per run (< 5 minutes)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 30)")
+    parser.add_argument(
+        "--mode",
+        choices=("services", "in_process"),
+        default="services",
+        help="the roles as Ray Serve deployments (the default of omniloop run) or in process",
+    )
     args = parser.parse_args()
     steps = args.steps or (8 if args.quick else 30)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -160,8 +172,8 @@ def main() -> None:
         started = time.perf_counter()
         model = warm_start(root / "model")
         warm_s = time.perf_counter() - started
-        sync = train_once(model, root / "sync", 0, steps)
-        async_ = train_once(model, root / "async", 2, steps)
+        sync = train_once(model, root / "sync", 0, steps, args.mode)
+        async_ = train_once(model, root / "async", 2, steps, args.mode)
 
     sm = sync["metrics"]
     rollout = mean([m["perf/rollout_seconds"] for m in sm])
@@ -177,6 +189,7 @@ def main() -> None:
     )
     result = {
         "bench": "async_speedup",
+        "mode": args.mode,
         "steps": steps,
         "speedup": round(speedup, 3),
         "limit": round(limit, 3),

@@ -1,29 +1,31 @@
 """The roles as Ray Serve deployments, and the controller's side of them (DESIGN.md §1, §7).
 
-Each role is its own deployment, with its own processes, resources and log (Ray's
-`logs/serve/` of the session), reached by the controller only through a `DeploymentHandle`
-behind the protocols of `controller`:
+Each role is its own deployment (a Serve application of the role's name), with its own
+processes, resources (`services.placement`) and log (Ray's `logs/serve/` of the session),
+reached by the controller only through a `DeploymentHandle` behind the protocols of
+`controller`. Deployed in this order, each needing the ones before:
 
-- `rollout` (`RolloutServer`, `services.rollout_replicas` replicas): one request per episode;
-  each replica has its own engine client, sandbox pool, data-plane client and store
-  connection, and runs up to its share of `rollout.concurrency` episodes at once
-  (`max_ongoing_requests`). An episode cut off by a dead replica is re-run elsewhere as
-  `attempt + 1` under the same trajectory id (`faults.Retry`).
-- `advantage` (`AdvantageServer`): one request per step. A replacement replica re-reads the
-  step's rows from the start (its consumption record starts empty and TransferQueue's marks
-  for it are reset), so recomputing a step's advantages after a death is idempotent.
-- `actor` (`ActorServer`): owns the trainer backend, its data-plane reader and the weight
-  sync to the engines; train, save, load and publish are its requests.
+- `actor` (`ActorServer`): the trainer backend, its data-plane reader and the weight sync to
+  the engines that attached; train, save, load and publish are its requests.
+- `engine` (`engine_service.EngineServer`, `services.engine_replicas`): each replica launches
+  or adopts one engine and attaches it to the actor before it serves.
+- `reward` (`reward_service.RewardServer`, `services.reward_replicas`): the reward functions.
+- `rollout` (`RolloutServer`, `services.rollout_replicas`): one request per episode; each
+  replica has its own sandbox pool, data-plane client and store connection, reaches engines
+  through `ServiceEngine` and rewards through `RemoteReward`s, and runs up to its share of
+  `rollout.concurrency` episodes at once (`max_ongoing_requests`).
+- `advantage` (`AdvantageServer`): one request per step, which reads the step whole.
 
-Every deployment has a `check_health` that tests what the role needs (the engine answers, the
-model is loaded, the data plane is reachable); Serve calls it every
-`services.health_check_period_s` and replaces a replica that fails it or dies. A full queue
-refuses calls (`BackPressureError`), which the controller waits out and retries.
+What a dead replica costs: Serve replaces it (health checks: `check_health` tests what the
+role needs, every `services.health_check_period_s`); an episode it was running is re-run
+elsewhere as `attempt + 1` under the same trajectory id, a step's advantages are computed
+again (`faults.Retry`); an engine's episodes wait for its replacement; a lost actor is restored
+from the newest checkpoint by the controller (`ActorLost`, `train_loop`). A full queue refuses
+calls (`BackPressureError`), which the controller waits out and retries; nothing is dropped.
 
-Not covered yet: the actor is not restored on its own when its replica dies (the run fails
-with the cause and `--resume` continues it); the engine and sandbox roles are processes the
-run starts (a local engine) or is given (`rollout.engine.url`) and a sandbox pool per rollout
-replica, not deployments of their own; reward functions run inside the rollout replica.
+Not covered yet: sandboxes are created in each rollout replica (no sandbox role of its own);
+the REST API is `omniloop serve`, not a deployment; a reference model for KL lives in the
+actor's backend.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ from typing import Any, TypeVar
 os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
 
 from ray import serve
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    RayActorError,
+)
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -78,7 +85,9 @@ def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
     """A Serve call's failure as the role's (`busy`: refused; `lost`: its replica is gone)."""
     if isinstance(err, BackPressureError):
         return "busy", ""
-    if isinstance(err, ActorDiedError | ActorUnavailableError | RayActorError):
+    if isinstance(
+        err, ActorDiedError | ActorUnavailableError | RayActorError | ActorUnschedulableError
+    ):
         actor_id = getattr(err, "actor_id", None) or ""
         return "lost", str(actor_id)
     if isinstance(err, ReplicaUnavailableError | DeploymentUnavailableError):
@@ -386,6 +395,7 @@ async def service_roles(
     def deploy() -> tuple[DeploymentHandle, DeploymentHandle, DeploymentHandle]:
         # The driver's Serve logger says "Application ... is ready" and the like at INFO.
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
+        _forget_serve_client()
         serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
         actor = serve.run(actor_app, name="actor", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
@@ -446,6 +456,17 @@ async def service_roles(
 def _undeploy() -> None:
     with contextlib.suppress(Exception):
         serve.shutdown()
+    _forget_serve_client()
+
+
+def _forget_serve_client() -> None:
+    """Drop Serve's cached controller client. Serve keeps one per process and trusts it while
+    the job id matches, and every new Ray instance starts job ids afresh: a process that runs
+    several runs, each on its own Ray, would otherwise talk to the controller of a Ray that is
+    gone. (Private API: Serve offers no public way.)"""
+    from ray.serve.context import _set_global_client
+
+    _set_global_client(None)
 
 
 def replica_pids(role: str) -> list[int]:

@@ -13,8 +13,9 @@ once.
 
 from __future__ import annotations
 
-import asyncio
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,11 +25,11 @@ import psutil
 import pytest
 from ray.cluster_utils import Cluster
 
-from omniloop.platform.control.run import run
 from omniloop.platform.control.services import replica_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+OMNILOOP = str(Path(sys.executable).parent / "omniloop")
 STEPS = 6
 EPISODES = 16
 LOSE_AT_STEP = 2
@@ -63,7 +64,9 @@ def _lose_a_node(
 
 
 @pytest.fixture(scope="module")
-def multinode_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def multinode_run(
+    toy_model: Path, toy_config_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
@@ -74,30 +77,33 @@ def multinode_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> 
     )
     seen: dict[str, Any] = {"worker": cluster.add_node(num_cpus=0, resources={"rollout": 1})}
     run_dir = tmp_path_factory.mktemp("multinode")
-    config = toy_config(
-        run_dir,
-        {
-            "ray_address": cluster.address,
-            "steps": STEPS,
-            "tasks_per_step": 4,
-            "rollout.samples_per_task": 4,
-            "checkpoint_every": STEPS,
-            "services.rollout_replicas": 2,
-            "services.placement": {
-                "rollout": {"resources": {"rollout": 1}, "max_replicas_per_node": 1},
-                **{role: {"resources": {"head": 1}} for role in HEAD_ROLES},
-            },
-        },
-    )
+    placement = {
+        "rollout": {"resources": {"rollout": 1}, "max_replicas_per_node": 1},
+        **{role: {"resources": {"head": 1}} for role in HEAD_ROLES},
+    }
+    overrides = [
+        f"model={toy_model}", f"run_dir={run_dir}", "tensorboard=false",
+        f"database=sqlite:///{run_dir}/omniloop.db", f"ray_address={cluster.address}",
+        f"steps={STEPS}", "tasks_per_step=4", "rollout.samples_per_task=4",
+        f"checkpoint_every={STEPS}", "services.rollout_replicas=2",
+        f"services.placement={json.dumps(placement)}",
+    ]  # fmt: skip
     stop = threading.Event()
     loser = threading.Thread(target=_lose_a_node, args=(cluster, run_dir, seen, stop))
     loser.start()
     try:
-        asyncio.run(run(config))
+        # A driver process of its own joins the cluster, as `omniloop run ray_address=...` does.
+        result = subprocess.run(
+            [OMNILOOP, "run", str(toy_config_path), *overrides],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     finally:
         stop.set()
         loser.join()
         cluster.shutdown()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     seen["run_dir"] = run_dir
     return seen
 
