@@ -212,7 +212,7 @@ def hash_episode_request(
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-def queued_count_query(at_most: int) -> Select[tuple[int]]:
+def queued_count_query(at_most: int) -> Select[int]:
     """How many episodes are `queued`, counting no further than `at_most`: a range read of
     `ix_episodes_status_seq` (covering: `seq` is in the index) whose cost is bounded by
     `at_most`, however long the queue. `create_episodes`' admission count."""
