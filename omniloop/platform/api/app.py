@@ -80,7 +80,7 @@ def create_app(
         signals=EpisodeSignals(),
         metrics=ApiMetrics(),
         head_revision=Store.head_revision(),
-        creator=EpisodeCreator(sync_store),
+        creator=EpisodeCreator(sync_store, max_queued=settings.max_queued_episodes),
     )
 
     @contextlib.asynccontextmanager

@@ -106,7 +106,8 @@ class ApiMetrics:
         )
         self.submissions = Counter(
             "omniloop_api_episode_submissions",
-            "Accepted POST /v1/episodes: `created`, or `replayed` for an Idempotency-Key replay.",
+            "POST /v1/episodes by outcome: `created`, `replayed` (an Idempotency-Key replay), "
+            "or `queue_full` (refused with 503: max_queued_episodes were queued).",
             ["outcome"],
             registry=self.registry,
         )

@@ -15,6 +15,7 @@ a method a path does not allow) and `urn:omniloop:problem:<name>` for the API's 
 | `unauthorized` | 401 | no or another bearer token where one is needed (see `auth.py`) |
 | `body-too-large` | 413 | the body is over `limits.max_body_bytes` |
 | `not-ready` | 503 | the database or the episode worker is not usable |
+| `queue-full` | 503 | `max_queued_episodes` episodes queued: nothing created; see `Retry-After` |
 | `internal-error` | 500 | a bug; the detail says nothing about internals |
 
 A validation problem's `errors` is a list of `{"location", "field", "message", "type"}`:
@@ -42,6 +43,7 @@ from omniloop.platform.store import (
     InvalidArgument,
     InvalidTransition,
     NotFound,
+    QueueFull,
     SchemaNotReady,
     StoreError,
 )
@@ -200,6 +202,7 @@ _STORE_PROBLEMS: list[tuple[type[StoreError], int, str]] = [
     (Conflict, 409, "conflict"),
     (InvalidArgument, 400, "bad-request"),
     (SchemaNotReady, 503, "not-ready"),
+    (QueueFull, 503, "queue-full"),
 ]
 
 

@@ -55,8 +55,8 @@ from omniloop.platform.api.schemas import (
     run_out,
 )
 from omniloop.platform.api.settings import ApiSettings
-from omniloop.platform.api.worker import EpisodeWorker, LoadedAgent
-from omniloop.platform.store import FAULT_EVENT, AsyncStore, EpisodeStatus, RunStatus
+from omniloop.platform.api.worker import RETRY_AFTER_IDLE, EpisodeWorker, LoadedAgent
+from omniloop.platform.store import FAULT_EVENT, AsyncStore, EpisodeStatus, QueueFull, RunStatus
 
 MAX_METRIC_NAMES = 100
 NO_NUL = r"^[^\x00]*$"
@@ -116,6 +116,38 @@ def responses(*statuses: int, ok: dict[str, Any] | None = None) -> dict[int | st
 _LOCATION = {
     "Location": {"description": "The episode's URL path", "schema": {"type": "string"}},
 }
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds after which the request is worth retrying",
+        "schema": {"type": "integer", "minimum": 1},
+    },
+}
+
+
+def _queue_full(full: QueueFull, worker: EpisodeWorker | None) -> ApiProblem:
+    """The 503 for a submission the full queue kept out: the limit, how to raise it, and when
+    to come back (`EpisodeWorker.retry_after`)."""
+    retry = worker.retry_after() if worker is not None else RETRY_AFTER_IDLE
+    idle = ""
+    if worker is None or worker.state not in ("starting", "running"):
+        idle = (
+            " This server's worker runs no episodes (concurrency 0, or it failed: see "
+            "/readyz), so the queue drains only when another process claims episodes or "
+            "queued ones are cancelled."
+        )
+    return ApiProblem(
+        503,
+        "queue-full",
+        f"the episode queue is full: {full.queued} episodes are queued, at this server's "
+        f"limit max_queued_episodes={full.limit}; nothing was created. Retry after {retry} s "
+        "(with the same Idempotency-Key, if any), or raise the limit in the server's "
+        "settings (e.g. `omniloop serve max_queued_episodes=4096`; null for no limit)." + idle,
+        title="Episode queue full",
+        headers={"Retry-After": str(retry)},
+        max_queued_episodes=full.limit,
+        queued=full.queued,
+        retry_after=retry,
+    )
 
 
 def _next_link(request: Request, cursor: str | None) -> str | None:
@@ -199,7 +231,15 @@ def v1_router() -> APIRouter:
                 "headers": _LOCATION,
             },
         )
-        | {202: {"description": "Queued", "headers": _LOCATION}},
+        | {202: {"description": "Queued", "headers": _LOCATION}}
+        | {
+            503: {
+                **problem_responses(503)[503],
+                "description": "`queue-full`: `max_queued_episodes` episodes are queued and "
+                "nothing was created (retry after `Retry-After` seconds), or `not-ready`",
+                "headers": _RETRY_AFTER,
+            }
+        },
     )
     async def submit_episode(
         body: EpisodeRequest,
@@ -215,7 +255,9 @@ def v1_router() -> APIRouter:
         ] = None,
     ) -> Response:
         """Queue an episode of `agent` on `task`: 202 with `Location`. The worker runs it
-        through the rollout path; follow it at `events_href` or poll `href`."""
+        through the rollout path; follow it at `events_href` or poll `href`. While the
+        server's `max_queued_episodes` episodes are queued: 503 `queue-full` with
+        `Retry-After`, and nothing is created (an Idempotency-Key stays unused)."""
         state = api_state(request)
         loaded = state.agents.get(body.agent)
         if loaded is None:
@@ -263,6 +305,9 @@ def v1_router() -> APIRouter:
                 idempotency_key=idempotency_key,
                 request_hash=request_hash(body) if idempotency_key is not None else None,
             )
+        except QueueFull as full:
+            state.metrics.submissions.labels("queue_full").inc()
+            raise _queue_full(full, state.worker) from None
         finally:
             if idempotency_key is not None:
                 state.in_flight.discard(idempotency_key)

@@ -136,6 +136,11 @@ class ApiSettings(StrictModel):
     concurrency: int = Field(default=4, ge=0)
     """Episodes running at once in this process; 0 pauses the worker (episodes only queue,
     and no engine or sandbox is started)."""
+    max_queued_episodes: int | None = Field(default=1024, ge=1)
+    """Back-pressure: while this many episodes are `queued` in the database (waiting for a
+    worker, whoever submitted them), `POST /v1/episodes` answers 503 `queue-full` with
+    `Retry-After` and creates nothing. None (`max_queued_episodes=null`) leaves the queue
+    unbounded. Counting reads at most this many index entries per batch of submissions."""
     max_context: int = Field(default=2048, ge=16)
     """Most tokens in one episode (prompt + all turns)."""
     reward_timeout: float = Field(default=30.0, gt=0)

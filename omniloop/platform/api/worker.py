@@ -19,6 +19,10 @@ running are put back in the queue for the next start instead of being cancelled.
 
 A bug (an exception `run_episode` does not turn into data) fails that episode with the
 exception's type and message; the worker goes on with the next one.
+
+Back-pressure: the worker keeps the wall times of its `RECENT_EPISODES` latest episodes, and
+`retry_after()` turns them into the `Retry-After` of a `queue-full` answer (see
+`estimate_retry_after`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import statistics
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -61,6 +68,37 @@ MAX_TURN_TEXT = 8000
 
 CANCEL_MEMORY = 60.0
 """Seconds a cancel for an episode not (yet) running here is remembered (see `cancel`)."""
+
+RECENT_EPISODES = 32
+"""How many of the latest episodes' wall times `retry_after` estimates from."""
+RETRY_AFTER_UNKNOWN = 5
+"""`Retry-After` seconds while the worker runs (or is starting) but no episode has ended here
+yet: nothing to estimate from, and a slot frees within a few seconds for short episodes."""
+RETRY_AFTER_IDLE = 60
+"""`Retry-After` seconds when this server's worker runs no episodes (paused with
+`concurrency: 0`, failed or stopped): nothing here drains the queue, only another process
+claiming episodes or clients cancelling queued ones, so clients should come back slowly."""
+RETRY_AFTER_MAX = 300
+"""Largest `Retry-After`, however long episodes take: a client should look again at least this
+often."""
+
+
+def estimate_retry_after(durations: Iterable[float], concurrency: int) -> int:
+    """Seconds until the queue is likely to have room again: whole seconds in
+    [1, `RETRY_AFTER_MAX`].
+
+    The queue gains room when the worker claims an episode, which it does each time one of its
+    `concurrency` slots frees. With episodes taking `d` seconds (the median of `durations`, so
+    one stuck or instant episode does not swing it) and the slots busy, one frees about every
+    `d / concurrency` seconds. No durations: `RETRY_AFTER_UNKNOWN`; no slots (`concurrency`
+    below 1): `RETRY_AFTER_IDLE`.
+    """
+    if concurrency < 1:
+        return RETRY_AFTER_IDLE
+    seen = [d for d in durations if math.isfinite(d) and d >= 0]
+    if not seen:
+        return RETRY_AFTER_UNKNOWN
+    return max(1, min(RETRY_AFTER_MAX, math.ceil(statistics.median(seen) / concurrency)))
 
 
 @dataclass
@@ -194,6 +232,8 @@ class EpisodeWorker:
         self._user_cancelled: set[str] = set()
         self._cancel_pending: dict[str, float] = {}
         self._stopping = False
+        self._durations: deque[float] = deque(maxlen=RECENT_EPISODES)
+        """Wall seconds, claim to end, of the latest episodes that ended here."""
 
     @property
     def alive(self) -> bool:
@@ -204,6 +244,14 @@ class EpisodeWorker:
     def running(self) -> list[str]:
         """Ids of the episodes running in this process now."""
         return list(self._tasks)
+
+    def retry_after(self) -> int:
+        """`Retry-After` seconds for a client refused because the queue is full: see
+        `estimate_retry_after`; `RETRY_AFTER_IDLE` when this worker runs no episodes
+        (paused, failed or stopped)."""
+        if self._paused or self.state not in ("starting", "running"):
+            return RETRY_AFTER_IDLE
+        return estimate_retry_after(self._durations, self.settings.concurrency)
 
     def start(self) -> None:
         if self._main is not None:
@@ -298,8 +346,12 @@ class EpisodeWorker:
                 continue
             if record is None:
                 slots.release()
+                # `asyncio.timeout`, not `wait_for`: on Python 3.11 `wait_for` returns the
+                # result when a cancel (`stop()`) arrives just as a submission's `wake()` sets
+                # the event, and the cancel is lost: the loop then polls forever.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
+                    async with asyncio.timeout(self.settings.poll_interval):
+                        await self._wake.wait()
                 continue
             self.signals.notify(record.id)
             if self._cancel_pending.pop(record.id, None) is not None:
@@ -318,6 +370,7 @@ class EpisodeWorker:
 
     async def _run_one(self, record: EpisodeRecord, runtime: _Runtime) -> None:
         episode_id = record.id
+        began = time.monotonic()
         try:
             loaded = self.agents.get(record.agent)
             if loaded is None:
@@ -354,6 +407,8 @@ class EpisodeWorker:
             )
             self.metrics.finished.labels("failed").inc()
         finally:
+            if not self._stopping:  # a stop cuts episodes short: no sample of their length
+                self._durations.append(time.monotonic() - began)
             self._user_cancelled.discard(episode_id)
             self.signals.notify(episode_id)
 
