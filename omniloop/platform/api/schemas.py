@@ -299,8 +299,9 @@ class RunMetrics(_Output):
 class FaultOut(_Output):
     """One fault of a run's roles: a replica that failed, from detection to recovery.
 
-    Read from the run's `fault` events (`control/faults.py` writes them once the role is back);
-    a field the recorded event lacks, or holds in another shape, reads as null."""
+    Read from the run's `fault` events (`control/record.py` writes each once its role is back,
+    and at the end of the run those still open); a field the recorded event lacks, or holds in
+    another shape, reads as null."""
 
     id: int
     """The fault's event id; faults are listed in increasing id (recording) order, and
@@ -308,8 +309,8 @@ class FaultOut(_Output):
     step: int | None
     """The training step that saw the fault."""
     role: str
-    """The role that failed: `rollout`, `advantage` or `actor` (`unknown` when the event names
-    none)."""
+    """The role that failed: `engine`, `reward`, `rollout`, `advantage` or `actor` (`unknown`
+    when the event names none)."""
     replica: str | None
     """The failed replica (Ray actor id); null when the fault was seen by the health monitor
     before any call named a replica."""
@@ -318,7 +319,8 @@ class FaultOut(_Output):
     detected_at: datetime | None
     """When the failure was seen."""
     recovered_at: datetime | None
-    """When the role was back (its retried work served again); null while it is down."""
+    """When the role was back at full strength (as the health monitor saw it); null if it was
+    still down when the run ended."""
     recovery_seconds: float | None
     """From `detected_at` to `recovered_at`; null while down."""
     retried: list[str]
