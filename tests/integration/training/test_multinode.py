@@ -6,9 +6,8 @@ joins the cluster by address (`ray_address`); its rollout deployment asks for on
 slot per replica and at most one replica per node, so its two replicas run one on each node;
 the other roles ask for the `head` resource and run on the head (the queue's actors, needing a
 CPU, do too). Mid-run the worker node is removed (its raylet and every process on it end), and
-a new one joins a little later: the lost replica's episodes are re-run on the head's, Serve
-places the replacement on the new node, and the run completes with every trajectory trained
-once.
+a new one joins a little later (room for Serve's replacement replica): the lost replica's
+episodes are re-run on the head's, and the run completes with every trajectory trained once.
 """
 
 from __future__ import annotations
