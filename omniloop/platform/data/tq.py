@@ -603,6 +603,12 @@ def _ensure_ray(config: DataPlaneConfig) -> tuple[bool, str | None]:
     if ray.is_initialized():
         return False, None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray starts its workers at nice 15, below the driver. The role services (the trainer, the
+    # engines their replicas start, the rollouts) are Ray workers: at nice 15 any other busy
+    # process on the machine would starve them (minutes for a replica to start beside two busy
+    # loops). A private instance runs them at the driver's priority; a cluster joined by
+    # address keeps its own setting.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     # The queue's actors inherit this; at INFO they print request statistics every five
     # minutes into the run's console. Warnings and errors still show.
     os.environ.setdefault("TQ_LOGGING_LEVEL", "WARNING")

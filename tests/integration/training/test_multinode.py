@@ -13,6 +13,7 @@ episodes are re-run on the head's, and the run completes with every trajectory t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -66,6 +67,8 @@ def _lose_a_node(
 def multinode_run(
     toy_model: Path, toy_config_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
+    # As a private instance of the run's own would: workers at the driver's priority.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={
