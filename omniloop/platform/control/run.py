@@ -68,6 +68,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         ray_address=config.ray_address,
         num_cpus=config.data_plane.num_cpus,
         ray_temp_dir=config.data_plane.ray_temp_dir,
+        storage_node_resource=config.data_plane.storage_node_resource,
     )
 
     store = AsyncStore.open(config.database)

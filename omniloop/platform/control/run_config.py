@@ -31,6 +31,10 @@ class DataPlaneSettings(StrictModel):
     ray_temp_dir: str | None = None
     """Temp dir of a private Ray instance (keep it short: Ray's socket paths live in it); None
     makes a fresh one under the system temp dir and removes it at the end of the run."""
+    storage_node_resource: str | None = None
+    """On a cluster: a Ray resource the nodes that hold the queue's storage must offer (a node
+    that stays, the head's say); None: any node with a CPU. Rows on a node that is lost are
+    lost with it, and the run with them."""
     read_timeout: float = Field(default=1800.0, gt=0)
     """Seconds a role may wait for the next row of a step before the run fails with a
     description of the stall. Generous: a step's slowest episode can take minutes."""

@@ -116,6 +116,9 @@ class DataPlaneConfig(StrictModel):
     """TransferQueue storage actors, used only when this process starts the queue."""
     storage_capacity: int | None = Field(default=None, ge=1)
     """Most rows the storage units hold at once; None for no limit."""
+    storage_node_resource: str | None = None
+    """A Ray resource that the nodes holding the storage units must offer (a node that will
+    not go away, say the head's); None: any node with a CPU, round robin."""
     max_poll_interval_s: float = Field(default=0.05, gt=0)
     """Longest pause of a waiting reader between two readiness checks (the backoff starts at
     5 ms): the latency a reader adds when rows trickle in."""
@@ -635,6 +638,8 @@ def _ensure_queue(config: DataPlaneConfig) -> bool:
     storage: dict[str, Any] = {"num_data_storage_units": config.num_storage_units}
     if config.storage_capacity is not None:
         storage["total_storage_size"] = config.storage_capacity
+    if config.storage_node_resource is not None:
+        storage["required_node_resource"] = config.storage_node_resource
     tq.init(
         OmegaConf.create(
             {

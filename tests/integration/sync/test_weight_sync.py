@@ -205,7 +205,9 @@ async def test_a_request_in_flight_is_sampled_by_one_version_only(
         trainer = old if out.weight_version == v_old else new
         gap = sampled_gap(trainer_logprobs(trainer, [trajectory]))
         assert len(gap) == len(out.output_ids) > 0
-        assert float(gap.max()) <= 1e-3, "some tokens were sampled by other weights"
+        # Other weights (noise 0.2 on every matrix) move a token's logprob by 0.1 or more;
+        # float rounding over a 400-token decode stays within a few 1e-3.
+        assert float(gap.max()) <= 1e-2, "some tokens were sampled by other weights"
 
 
 async def test_trainer_and_engine_logprobs_agree_before_and_after_a_training_step(

@@ -4,10 +4,11 @@ A `ray.cluster_utils.Cluster` on this machine: a head node (CPUs, a `head` resou
 `rollout` slot) and a worker node with only a `rollout` slot, each its own raylet. The run
 joins the cluster by address (`ray_address`); its rollout deployment asks for one `rollout`
 slot per replica and at most one replica per node, so its two replicas run one on each node;
-the other roles ask for the `head` resource and run on the head (the queue's actors, needing a
-CPU, do too). Mid-run the worker node is removed (its raylet and every process on it end), and
-a new one joins a little later (room for Serve's replacement replica): the lost replica's
-episodes are re-run on the head's, and the run completes with every trajectory trained once.
+the other roles ask for the `head` resource and run on the head, and so does the queue's
+storage (`data_plane.storage_node_resource`). Mid-run the worker node is removed (its raylet
+and every process on it end), and a new one joins a little later (room for Serve's replacement
+replica): the lost replica's episodes are re-run on the head's, and the run completes with
+every trajectory trained once.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def multinode_run(
         f"steps={STEPS}", "tasks_per_step=4", "rollout.samples_per_task=4",
         f"checkpoint_every={STEPS}", "services.rollout_replicas=2",
         f"services.placement={json.dumps(placement)}",
+        "data_plane.storage_node_resource=head",
     ]  # fmt: skip
     stop = threading.Event()
     loser = threading.Thread(target=_lose_a_node, args=(cluster, run_dir, seen, stop))
