@@ -118,10 +118,6 @@ class FaultTimeline:
             self._seen_down.discard(role)
             self._on_change(f"{role} recovered after {fault.recovery_seconds:.1f}s")
 
-    def open_roles(self) -> list[str]:
-        """Roles with a fault not yet recovered."""
-        return list(self._open)
-
     def take_all(self) -> list[Fault]:
         """Every fault not handed out before, recovered or not, oldest first."""
         left = [f for f in self.faults if id(f) not in self._handed_out]

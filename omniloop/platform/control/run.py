@@ -281,11 +281,6 @@ def with_run_id(config: RunConfig, *, resume: bool) -> RunConfig:
     return config.model_copy(update={"run_id": run_id, "rollout": rollout})
 
 
-async def _settle(task: asyncio.Future[Any]) -> None:
-    """Wait for a start-up task that may still run when start-up fails elsewhere."""
-    await asyncio.gather(task, return_exceptions=True)
-
-
 async def _close_plane(task: asyncio.Future[Any]) -> None:
     """Close the data plane once its start finished, whether or not the run got to use it."""
     results = await asyncio.gather(task, return_exceptions=True)

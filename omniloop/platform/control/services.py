@@ -74,7 +74,6 @@ from omniloop.platform.control.run_config import RunConfig
 
 T = TypeVar("T")
 
-ROLE_APPS = ("actor", "engine", "reward", "rollout", "advantage")
 SERVE_LOGGING = {"log_level": "WARNING", "enable_access_log": False}
 """Serve logs a line per request at INFO; the run's console keeps to one line per step. Each
 replica still writes its own log file under the Ray session's `logs/serve/`."""
