@@ -19,6 +19,15 @@ class SandboxError(OmniloopError):
     """The sandbox infrastructure failed (not the command inside it)."""
 
 
+class SandboxLost(SandboxError):
+    """The sandbox service holding a sandbox is gone (unreachable, or restarted and no longer
+    knows the sandbox): the sandbox and what ran in it are lost, through no fault of the work,
+    which can be run again from the start."""
+
+    failed_role = "sandbox"
+    """The role whose failure this is (`faults.Retry` files the fault under it)."""
+
+
 class EngineError(OmniloopError):
     """The inference engine failed or answered with something unusable."""
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omniloop.processes import free_port
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -80,3 +82,53 @@ def tiny_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def tiny_engine_max_context() -> int:
     """The context length `tiny_engine_url` serves with."""
     return ENGINE_MAX_CONTEXT
+
+
+# -- sandboxd -------------------------------------------------------------------------------
+
+
+class Sandboxd:
+    """A sandboxd subprocess (`python -m omniloop.sandboxes.docker_cli serve`)."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        command = [sys.executable, "-m", "omniloop.sandboxes.docker_cli", "serve"]
+        command += ["--port", str(self.port), *args]
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sandboxd exited {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sandboxd not ready after {timeout}s:\n{self.output()}")
+            time.sleep(0.1)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-6000:]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        return int(self.proc.returncode)
+
+
+@pytest.fixture(scope="session")
+def sandboxd_class() -> type[Sandboxd]:
+    """`sandboxd_class(log_path, *cli_args)`: a sandboxd subprocess (tests are no package, so
+    the class travels as a fixture)."""
+    return Sandboxd

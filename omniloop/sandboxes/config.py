@@ -64,6 +64,23 @@ class SandboxConfig(StrictModel):
     """The Docker network the egress proxy reaches allowed hosts through (allowlist mode only)."""
     gvisor_runtime: str = "runsc"
     """Name under which gVisor's `runsc` is registered with the Docker daemon."""
+    service: str = "local"
+    """Which process creates the sandboxes of `omniloop rollout`, `omniloop serve` and a run
+    in process (a run's rollout replicas always use the run's sandbox role). `local`: a
+    sandboxd child process on loopback, started on the first sandbox (a backend that crashes
+    takes down that process, not the one running episodes); a URL (`http://host:8765`): a
+    running sandboxd (`omniloop sandbox serve`; its token in `OMNILOOP_SANDBOXD_TOKEN`), whose
+    host decides `auto`; `in_process`: the process itself (no isolation; for debugging)."""
+
+    @field_validator("service")
+    @classmethod
+    def _check_service(cls, value: str) -> str:
+        if value in ("local", "in_process") or value.startswith(("http://", "https://")):
+            return value
+        raise ValueError(
+            f"sandbox.service {value!r} is none of `local`, `in_process` or an http(s) URL of "
+            "a sandboxd"
+        )
 
     @field_validator("egress_allowlist")
     @classmethod

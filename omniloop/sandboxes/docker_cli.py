@@ -109,7 +109,7 @@ def serve(
         None, envvar="OMNILOOP_SANDBOXD_TOKEN", help="Bearer token for mutating requests."
     ),
     image: str = typer.Option("omniloop-sandbox:latest", help="Default sandbox image."),
-    backend: str = typer.Option("docker", help="Default backend: docker or gvisor."),
+    backend: str = typer.Option("docker", help="Default backend: docker, gvisor or bwrap."),
     pool_size: int = typer.Option(4, help="Warm sandboxes per image (0: none)."),
     max_sandboxes: int = typer.Option(256, help="Most sandboxes at once."),
     max_concurrent_creates: int = typer.Option(4, help="Creations running at once."),
@@ -121,7 +121,7 @@ def serve(
     ),
     docker_host: str | None = typer.Option(None, help="Docker endpoint (default: DOCKER_HOST)."),
 ) -> None:
-    """Run sandboxd, the sandbox service (Docker sandboxes for clients over HTTP), until
+    """Run sandboxd, the sandbox service (sandboxes for clients over HTTP), until
     SIGTERM/Ctrl-C; every sandbox it made is removed before it exits."""
     from pydantic import ValidationError
 

@@ -7,6 +7,10 @@ service runs at most once (a retry after a dropped response gets the first run's
 writes are idempotent, and `close` of a closed sandbox succeeds. Creation is not retried after
 a transport error (the service may have made a sandbox the client never heard of; its lease
 ends it), but a 429 is waited out, as its `Retry-After` says, until `create_timeout`.
+
+A service that stays unreachable through the retries, or that answers 404 for a sandbox it
+made (it was restarted), raises `SandboxLost`: the sandbox is gone, and whoever used it may
+start its work again.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from omniloop.errors import SandboxError
+from omniloop.errors import SandboxError, SandboxLost
 from omniloop.sandboxes.base import ExecResult
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
 
@@ -90,7 +94,9 @@ class SandboxClient:
                 )
             except httpx.TransportError as err:
                 if attempt == retries:
-                    raise SandboxError(f"sandboxd {method} {url} failed: {err!r}") from err
+                    raise SandboxLost(
+                        f"sandboxd at {self.base_url} is unreachable ({method} {url}): {err!r}"
+                    ) from err
             else:
                 if response.status_code not in _RETRY_STATUS or attempt == retries:
                     return response
@@ -106,7 +112,7 @@ class SandboxClient:
         body: dict[str, Any] = {"episode_id": episode_id}
         if config is not None:
             default = SandboxConfig()
-            if config.backend in ("docker", "gvisor"):
+            if config.backend != "auto":
                 body["backend"] = config.backend
             if config.image != default.image:
                 body["image"] = config.image
@@ -168,6 +174,11 @@ class RemoteSandbox:
         await self.close()
 
     def _check(self, response: httpx.Response, what: str) -> httpx.Response:
+        if response.status_code == 404:
+            raise SandboxLost(
+                f"{what} in sandbox {self.id}: sandboxd at {self.client.base_url} no longer "
+                f"knows it (the service restarted): {_detail(response)}"
+            )
         if response.status_code >= 400:
             status = response.status_code
             raise SandboxError(

@@ -1,12 +1,12 @@
-"""sandboxd: the sandbox service, which holds Docker sandboxes for clients over HTTP.
+"""sandboxd: the sandbox service, which holds sandboxes of any backend for clients over HTTP.
 
 Clients reach it through `remote.py` (`SandboxClient`, whose `RemoteSandbox` implements the
-`Sandbox` protocol). It is not the only component that talks to the Docker daemon: no
-configuration selects it yet, and each process that runs episodes creates its sandboxes itself
-through the configured backend (`factory.py`): every rollout replica of `omniloop run`,
-`omniloop rollout` and the episode worker of `omniloop serve`; `omniloop sandbox build` and
-`reap` call Docker directly too. It owns every Docker sandbox it creates, keeps a warm
-`SandboxPool` per image, bounds creation concurrency, and reaps what nobody will close.
+`Sandbox` protocol). It runs standalone (`omniloop sandbox serve`) or as the `sandbox` role of
+a training run (`platform/control/sandbox_service.py`), where it is the only process that
+creates sandboxes: the rollout replicas hold `RemoteSandbox`es. It owns every sandbox it
+creates (Docker, gVisor or bwrap), keeps a warm `SandboxPool` per (backend, image), bounds
+creation concurrency, and reaps what nobody will close. Docker is connected only when a
+Docker-backed sandbox is wanted, so a host with bubblewrap alone runs it too.
 
 API (`/v1`, JSON; errors are RFC 9457 problem+json)
 --------------------------------------------------
@@ -20,14 +20,16 @@ API (`/v1`, JSON; errors are RFC 9457 problem+json)
 - `PUT /v1/sandboxes/{id}/files?path=…` (body: the bytes) → 204; `GET` → the bytes. Paths
   leaving the workspace and paths through symlinks are refused (400).
 - `DELETE /v1/sandboxes/{id}` → 204 (idempotent: an unknown id is 204 too).
-- `GET /v1/sandboxes`, `GET /healthz` (the process answers), `GET /readyz` (the daemon answers
-  and its disk has room), `GET /metrics` (Prometheus text), `GET /v1/metrics` (JSON).
+- `GET /v1/sandboxes`, `GET /healthz` (the process answers), `GET /readyz` (the default
+  backend can run: the Docker daemon answers and its disk has room, or bwrap works),
+  `GET /metrics` (Prometheus text), `GET /v1/metrics` (JSON).
 
 With a bearer token (`token`) set, every endpoint but `/healthz`, `/readyz` and `/metrics`
 requires it; the service refuses to bind beyond loopback without one.
 
 Lifecycle: at start-up the reaper removes what dead processes left (a SIGKILLed predecessor
-included), then runs every `reaper_period`; sandboxes idle for `lease_timeout` (no request, no
+included: Docker containers by their owner labels, bwrap folders, mounts and cgroups by their
+`owner.json`), then runs every `reaper_period`; sandboxes idle for `lease_timeout` (no request, no
 command running) are closed, so a client that died does not leak them until their TTL. On
 SIGTERM/Ctrl-C every sandbox and pool is closed before the process exits.
 """
@@ -54,10 +56,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from omniloop.config import StrictModel
 from omniloop.errors import ConfigError, SandboxError
+from omniloop.sandboxes import bwrap as bwrap_backend
 from omniloop.sandboxes import docker as docker_backend
-from omniloop.sandboxes.base import ExecResult
+from omniloop.sandboxes.base import ExecResult, Sandbox
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
-from omniloop.sandboxes.docker import DockerHost, DockerSandbox, create_docker_sandbox
+from omniloop.sandboxes.docker import DockerHost, create_docker_sandbox
 from omniloop.sandboxes.images import SANDBOX_IMAGE
 from omniloop.sandboxes.pool import SandboxPool
 from omniloop.sandboxes.reaper import Reaper
@@ -66,7 +69,8 @@ logger = logging.getLogger(__name__)
 
 _REQUEST_IDS_KEPT = 512
 _OPEN_PATHS = ("/healthz", "/readyz", "/metrics")
-Backend = Literal["docker", "gvisor"]
+Backend = Literal["docker", "gvisor", "bwrap"]
+_DOCKER_BACKENDS = ("docker", "gvisor")
 
 
 class SandboxdSettings(StrictModel):
@@ -82,8 +86,9 @@ class SandboxdSettings(StrictModel):
     """Docker endpoint (`unix://…`, `tcp://…`); default: `DOCKER_HOST`."""
     default_image: str = SANDBOX_IMAGE
     """Image of sandboxes whose request names none."""
-    default_backend: Literal["docker", "gvisor"] = "docker"
-    """Backend of sandboxes whose request names none."""
+    default_backend: Backend = "docker"
+    """Backend of sandboxes whose request names none. Docker is connected at start-up when it
+    is `docker` or `gvisor`, else on the first request for a Docker-backed sandbox."""
     limits: SandboxLimits = Field(default_factory=SandboxLimits)
     """Limits of sandboxes whose request gives none (and of pooled sandboxes)."""
     pool_size: int = Field(default=4, ge=0)
@@ -112,7 +117,7 @@ class CreateSandboxRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     episode_id: str | None = None
-    backend: Literal["docker", "gvisor"] | None = None
+    backend: Backend | None = None
     image: str | None = None
     limits: SandboxLimits | None = None
     env: dict[str, str] = Field(default_factory=dict)
@@ -148,10 +153,13 @@ class ExecRequest(BaseModel):
 
 @dataclass
 class _Entry:
-    sandbox: DockerSandbox
-    pool: SandboxPool[DockerSandbox] | None
+    sandbox: Sandbox
+    pool: SandboxPool[Sandbox] | None
+    backend: Backend
     image: str
     episode_id: str | None
+    config: SandboxConfig
+    expires_at: float
     last_used: float = field(default_factory=time.monotonic)
     active: int = 0
     runs: OrderedDict[str, asyncio.Future[ExecResult]] = field(default_factory=OrderedDict)
@@ -195,7 +203,7 @@ class SandboxService:
         self.host: DockerHost | None = None
         self.reaper: Reaper | None = None
         self.entries: dict[str, _Entry] = {}
-        self.pools: dict[tuple[str, str], SandboxPool[DockerSandbox]] = {}
+        self.pools: dict[tuple[str, str], SandboxPool[Sandbox]] = {}
         self.counters = _Counters()
         self._create_slots = asyncio.Semaphore(settings.max_concurrent_creates)
         self._pending = 0
@@ -206,19 +214,40 @@ class SandboxService:
     # -- life cycle --
 
     async def start(self) -> None:
-        """Connect to Docker, reap leftovers of dead processes, start the reaper and pools."""
-        self.host = await asyncio.to_thread(DockerHost, self.settings.docker_host)
-        self.host.watch_deaths()
-        self.reaper = Reaper(
-            self.host, period=self.settings.reaper_period, grace=self.settings.reaper_grace
-        )
-        report = await self.reaper.reap_once()
-        self.counters.reaped += report.removed
-        if report.removed:
-            logger.info("start-up reaper removed %d leftovers", report.removed)
+        """Reap leftovers of dead processes (connecting to Docker when the default backend
+        needs it), start the reaper and the pools of `pool_images`."""
+        if self.settings.default_backend in _DOCKER_BACKENDS:
+            await self._docker()
+        else:
+            self.counters.reaped += await asyncio.to_thread(bwrap_backend.reap_stale_sandboxes)
         self._maintenance = asyncio.create_task(self._maintain())
         for image in self.settings.pool_images:
             self._pool_for(self.settings.default_backend, image)
+
+    async def _docker(self) -> DockerHost:
+        """The Docker connection, made (and its leftovers reaped) on first use."""
+        if self.host is None:
+            host = await asyncio.to_thread(DockerHost, self.settings.docker_host)
+            if self.host is None:
+                self.host = host
+                host.watch_deaths()
+                self.reaper = Reaper(
+                    host, period=self.settings.reaper_period, grace=self.settings.reaper_grace
+                )
+                report = await self.reaper.reap_once()
+                self.counters.reaped += report.removed
+                if report.removed:
+                    logger.info("start-up reaper removed %d leftovers", report.removed)
+            else:
+                host.close()
+        return self.host
+
+    async def _make(self, config: SandboxConfig, episode_id: str | None) -> Sandbox:
+        """A new sandbox of `config.backend` (docker, gvisor or bwrap)."""
+        if config.backend in _DOCKER_BACKENDS:
+            host = await self._docker()
+            return await create_docker_sandbox(config, episode_id=episode_id, host=host)
+        return await bwrap_backend.create_bwrap_sandbox(config)
 
     async def stop(self) -> None:
         """Close every pool and sandbox (on SIGTERM), stop background work, drop the client."""
@@ -239,10 +268,11 @@ class SandboxService:
             self.host.close()
 
     async def _maintain(self) -> None:
-        assert self.reaper is not None
         while True:
             await asyncio.sleep(self.settings.reaper_period)
             await self._expire_leases()
+            if self.reaper is None:
+                continue
             try:
                 report = await self.reaper.reap_once()
                 self.counters.reaped += report.removed
@@ -253,33 +283,35 @@ class SandboxService:
         lease = self.settings.lease_timeout
         if lease is None:
             return
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         stale = [
             sid
             for sid, entry in self.entries.items()
-            if entry.active == 0 and now - entry.last_used > lease
+            if (entry.active == 0 and now - entry.last_used > lease) or wall > entry.expires_at
         ]
         for sid in stale:
             entry = self.entries.pop(sid, None)
             if entry is not None:
-                logger.warning("sandbox %s: lease expired after %.0fs idle; closing", sid, lease)
+                logger.warning("sandbox %s: lease or TTL expired; closing", sid)
                 self.counters.lease_expired += 1
                 await self._close_entry(entry)
 
     # -- pools --
 
-    def _pool_for(self, backend: Backend, image: str) -> SandboxPool[DockerSandbox] | None:
+    def _plain_config(self, backend: Backend, image: str) -> SandboxConfig:
+        """The config of a sandbox asked for with nothing but a backend and an image."""
+        return SandboxConfig(backend=backend, image=image, limits=self.settings.limits)
+
+    def _pool_for(self, backend: Backend, image: str) -> SandboxPool[Sandbox] | None:
         if self.settings.pool_size == 0:
             return None
         key = (backend, image)
         pool = self.pools.get(key)
         if pool is None:
-            config = SandboxConfig(backend=backend, image=image, limits=self.settings.limits)
-            assert self.host is not None
-            host = self.host
+            config = self._plain_config(backend, image)
 
-            async def factory() -> DockerSandbox:
-                return await create_docker_sandbox(config, host=host)
+            async def factory() -> Sandbox:
+                return await self._make(config, None)
 
             pool = SandboxPool(
                 factory,
@@ -318,36 +350,36 @@ class SandboxService:
         backend: Backend = request.backend or self.settings.default_backend
         image = request.image or self.settings.default_image
         plain = (
-            request.limits is None
+            request.limits in (None, self.settings.limits)
             and not request.env
             and request.egress_allowlist is None
             and request.workdir is None
         )
+        if plain:
+            config = self._plain_config(backend, image)
+        else:
+            options: dict[str, Any] = {}
+            if request.egress_network is not None:
+                options["egress_network"] = request.egress_network
+            if request.workdir is not None:
+                options["workdir"] = request.workdir
+            config = SandboxConfig(
+                backend=backend,
+                image=image,
+                limits=request.limits or self.settings.limits,
+                env=request.env,
+                egress_allowlist=request.egress_allowlist,
+                **options,
+            )
         self._pending += 1
         try:
             pool = self._pool_for(backend, image) if plain else None
             if pool is not None:
                 sandbox = await pool.acquire()
             else:
-                options: dict[str, Any] = {}
-                if request.egress_network is not None:
-                    options["egress_network"] = request.egress_network
-                if request.workdir is not None:
-                    options["workdir"] = request.workdir
-                config = SandboxConfig(
-                    backend=backend,
-                    image=image,
-                    limits=request.limits or self.settings.limits,
-                    env=request.env,
-                    egress_allowlist=request.egress_allowlist,
-                    **options,
-                )
                 async with self._create_slots:
                     started = time.monotonic()
-                    assert self.host is not None
-                    sandbox = await create_docker_sandbox(
-                        config, episode_id=request.episode_id, host=self.host
-                    )
+                    sandbox = await self._make(config, request.episode_id)
                     # A moving estimate of creation time, for Retry-After.
                     self._create_seconds = 0.8 * self._create_seconds + 0.2 * (
                         time.monotonic() - started
@@ -362,8 +394,12 @@ class SandboxService:
         if self._closing:
             await (pool.release(sandbox) if pool is not None else sandbox.close())
             raise _ProblemError(503, "Shutting down", "the sandbox service is stopping")
-        sandbox.episode_id = request.episode_id
-        entry = _Entry(sandbox, pool, image, request.episode_id)
+        if isinstance(sandbox, docker_backend.DockerSandbox):
+            sandbox.episode_id = request.episode_id
+            expires_at = sandbox.expires_at
+        else:
+            expires_at = time.time() + config.limits.ttl
+        entry = _Entry(sandbox, pool, backend, image, request.episode_id, config, expires_at)
         self.entries[sandbox.id] = entry
         self.counters.created += 1
         return entry
@@ -451,16 +487,15 @@ class SandboxService:
     # -- reporting --
 
     def info(self, entry: _Entry) -> SandboxInfo:
-        sandbox = entry.sandbox
         return SandboxInfo(
-            id=sandbox.id,
-            backend=sandbox.backend,
+            id=entry.sandbox.id,
+            backend=entry.backend,
             image=entry.image,
             episode_id=entry.episode_id,
-            expires_at=sandbox.expires_at,
+            expires_at=entry.expires_at,
             pooled=entry.pool is not None,
-            workdir=sandbox.config.workdir,
-            limits=sandbox.config.limits,
+            workdir=entry.config.workdir,
+            limits=entry.config.limits,
         )
 
     def metrics(self) -> dict[str, float]:
@@ -476,7 +511,9 @@ class SandboxService:
             "sandbox/execs": self.counters.execs,
             "sandbox/exec_retries_deduplicated": self.counters.exec_retries_deduplicated,
             "sandbox/reaped": self.counters.reaped,
-            "sandbox/cleanup_failures": docker_backend.cleanup_failures + pool_close_failures,
+            "sandbox/cleanup_failures": docker_backend.cleanup_failures
+            + bwrap_backend.cleanup_failures
+            + pool_close_failures,
             "sandbox/pending_creates": self._pending,
         }
         for (backend, image), pool in self.pools.items():
@@ -487,8 +524,12 @@ class SandboxService:
         return values
 
     async def readiness(self) -> tuple[bool, dict[str, Any]]:
-        """Whether the daemon answers and its data root has `min_free_disk_mb` free."""
+        """Whether the default backend can run: bwrap works on this host, or the Docker daemon
+        answers and its data root has `min_free_disk_mb` free."""
         checks: dict[str, Any] = {}
+        if self.settings.default_backend == "bwrap":
+            ok = await asyncio.to_thread(bwrap_backend.bwrap_available)
+            return ok, {"bwrap": "ok" if ok else "unavailable on this host"}
         if self.host is None:
             return False, {"docker": "not connected"}
         try:
@@ -622,16 +663,22 @@ def create_app(settings: SandboxdSettings | None = None) -> FastAPI:
     return app
 
 
-def serve(settings: SandboxdSettings) -> None:
-    """Run sandboxd in the foreground until SIGTERM/SIGINT (then every sandbox is removed)."""
+def serve(settings: SandboxdSettings, *, fd: int | None = None, log_level: str = "info") -> None:
+    """Run sandboxd in the foreground until SIGTERM/SIGINT (then every sandbox is removed), on
+    `settings.host:port`, or on the listening socket `fd` when given."""
+    import socket
+
     import uvicorn
 
     app = create_app(settings)
     # In-flight commands get a bounded wait; then the lifespan removes every sandbox anyway.
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        log_level="info",
+        log_level=log_level,
+        access_log=log_level == "info",
         timeout_graceful_shutdown=10,
     )
+    sockets = None if fd is None else [socket.socket(fileno=fd)]
+    uvicorn.Server(config).run(sockets=sockets)

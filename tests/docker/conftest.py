@@ -11,10 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,11 +20,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
 import pytest
 from docker.api.client import APIClient
 from docker.utils import kwargs_from_env
 
+from omniloop.processes import free_port
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
 from omniloop.sandboxes.docker import (
     LABEL_OWNER,
@@ -126,62 +123,16 @@ async def make_sandbox(backend: str, sandbox_image: str) -> AsyncIterator[Sandbo
     await asyncio.gather(*(s.close() for s in made))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Sandboxd:
-    """A sandboxd subprocess (`python -m omniloop.sandboxes.docker_cli serve`)."""
-
-    def __init__(self, log: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        command = [sys.executable, "-m", "omniloop.sandboxes.docker_cli", "serve"]
-        command += ["--port", str(self.port), *args]
-        with log.open("ab") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sandboxd exited {self.proc.returncode}:\n{self.output()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sandboxd not ready after {timeout}s:\n{self.output()}")
-            time.sleep(0.1)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-6000:]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-        return int(self.proc.returncode)
-
-
 @pytest.fixture
 def start_sandboxd(
-    tmp_path: Path, sandbox_image: str, busybox_image: str
-) -> Iterator[Callable[..., Sandboxd]]:
+    tmp_path: Path, sandbox_image: str, busybox_image: str, sandboxd_class: Any
+) -> Iterator[Callable[..., Any]]:
     """`start_sandboxd(*cli_args)` → a ready sandboxd subprocess, stopped after the test."""
-    started: list[Sandboxd] = []
+    started: list[Any] = []
 
-    def start(*args: str, ready: bool = True) -> Sandboxd:
+    def start(*args: str, ready: bool = True) -> Any:
         log = tmp_path / f"sandboxd-{len(started)}.log"
-        service = Sandboxd(log, "--image", sandbox_image, *args)
+        service = sandboxd_class(log, "--image", sandbox_image, *args)
         started.append(service)
         if ready:
             service.wait_ready()
@@ -194,12 +145,15 @@ def start_sandboxd(
 
 @pytest.fixture(scope="session")
 def sandboxd(
-    tmp_path_factory: pytest.TempPathFactory, sandbox_image: str, busybox_image: str
-) -> Iterator[Sandboxd]:
+    tmp_path_factory: pytest.TempPathFactory,
+    sandbox_image: str,
+    busybox_image: str,
+    sandboxd_class: Any,
+) -> Iterator[Any]:
     """One sandboxd for the session's remote-client tests (pool of 2, quick reaper)."""
     log = tmp_path_factory.mktemp("sandboxd") / "sandboxd.log"
     args = ["--pool-size", "2", "--reaper-period", "2", "--reaper-grace", "5"]
-    service = Sandboxd(log, "--image", sandbox_image, *args)
+    service = sandboxd_class(log, "--image", sandbox_image, *args)
     service.wait_ready()
     yield service
     service.stop()

@@ -47,8 +47,9 @@ class EngineServer:
     ) -> None:
         from ray import serve
 
-        from omniloop.platform.control.engines import spawn_engine, stop_process, wait_healthy
+        from omniloop.platform.control.engines import spawn_engine, wait_healthy
         from omniloop.platform.control.services import enter_run_folder
+        from omniloop.processes import stop_process
 
         enter_run_folder(cwd, paths)
         settings = config.rollout.engine

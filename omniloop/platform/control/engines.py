@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +14,8 @@ from pathlib import Path
 import httpx
 
 from omniloop.errors import EngineError
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from omniloop.processes import die_with_parent as _die_with_parent
+from omniloop.processes import free_port, stop_process
 
 
 def engine_command(model: str, port: int, threads: int | None = None) -> list[str]:
@@ -45,25 +38,6 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> Non
                 return
         time.sleep(0.2)
     raise EngineError(f"engine at {url} was not healthy after {timeout:.0f}s")
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
-    """SIGTERM, wait `grace` seconds, then SIGKILL."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: be sent SIGKILL when the thread that started it ends."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def spawn_engine(

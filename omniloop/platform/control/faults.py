@@ -6,17 +6,19 @@ retried):
 
 - `busy`: the role refused the call (back-pressure: its queue is full). Waited out and retried;
   neither a fault nor an attempt.
-- `lost`: the replica running the call died (its process was killed, its node was lost). A
-  fault on the timeline; the work is re-run as `attempt + 1` (the role replaces the replica;
-  every call here is idempotent: an episode keeps its trajectory id, a step's advantages are
-  recomputed from its rows).
+- `lost`: the replica running the call died (its process was killed, its node was lost), or
+  one the work depended on did (an error with a `failed_role`, such as `SandboxLost`: the fault
+  is filed under that role). A fault on the timeline; the work is re-run as `attempt + 1`
+  (the role replaces the replica; every call here is idempotent: an episode keeps its
+  trajectory id, a step's advantages are recomputed from its rows).
 - anything else is the work's own error and is raised as it is.
 
 The timeline holds one `Fault` per failure of a role: when it was detected, the work that was
 retried, and when the role was back to full strength (`recovered_at`, seen by the
 `health.HealthMonitor`). Every fault goes to
 `RUN_DIR/faults.jsonl`, the run store (an event of type `fault`) and the step's metrics
-(`faults/count`, `faults/recovery_seconds`), through `RunRecord`.
+(`faults/count`, `faults/recovery_seconds`), through `RunRecord`; refused calls are counted
+in the step's `faults/refused_calls`.
 """
 
 from __future__ import annotations
@@ -86,6 +88,16 @@ class FaultTimeline:
         self._open: dict[str, Fault] = {}
         self._seen_down: set[str] = set()
         self._handed_out: set[int] = set()
+        self._refused = 0
+
+    def refused(self, role: str) -> None:
+        """`role` refused a call (its queue was full); it will be retried, and is no fault."""
+        self._refused += 1
+
+    def take_refused(self) -> int:
+        """Calls refused since the last take."""
+        count, self._refused = self._refused, 0
+        return count
 
     def failed(self, role: str, replica: str, cause: str, work: str | None = None) -> Fault:
         """Note a failure of `role` (and the `work` it cut off, if any)."""
@@ -153,13 +165,16 @@ class Retry:
                 if failure is None:
                     raise
                 kind, replica = failure
+                if kind == "busy":
+                    self._timeline.refused(role)
                 if kind == "lost":
                     cause = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                    self._timeline.failed(role, replica, cause, what or role)
+                    failed = getattr(err, "failed_role", None) or role
+                    self._timeline.failed(failed, replica, cause, what or role)
                     attempt += 1
                     if attempt >= self._config.max_attempts:
                         raise RoleFailed(
-                            f"the {role} role lost {what or 'a call'} {attempt} times (last: "
+                            f"the {failed} role lost {what or 'a call'} {attempt} times (last: "
                             f"{cause}); faults.max_attempts={self._config.max_attempts}"
                         ) from err
                 await asyncio.sleep(self._config.retry_pause_s)

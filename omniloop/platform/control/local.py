@@ -37,6 +37,7 @@ import torch
 
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
+from omniloop.errors import SandboxLost
 from omniloop.inference.base import Engine
 from omniloop.platform.control.components import episode_plan
 from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
@@ -105,7 +106,9 @@ class EpisodeRunner:
     `run(step, index, attempt)` runs episode `index` of step `step`'s plan, writes its rollout
     fields and reward to partition `step`, appends it to `trajectories/step_{step}.jsonl` and
     records it in the run store. Writes are keyed by trajectory id, which the attempt does not
-    change, so an episode re-run after a failure replaces its earlier row.
+    change, so an episode re-run after a failure replaces its earlier row. An episode whose
+    sandbox was lost with its sandbox replica (`SandboxLost`) is not written: `run` raises, and
+    the caller runs it again.
     """
 
     def __init__(
@@ -157,6 +160,9 @@ class EpisodeRunner:
                 rewards=self._rewards,
                 settings=settings,
             )
+        error = trajectory.meta.error
+        if error is not None and error.type == SandboxLost.__name__:
+            raise SandboxLost(f"step {step} episode {index}: {error.message}")
         await self._data.put_rollout(step, [trajectory])
         failed = trajectory.is_infra_failure or trajectory.reward is None
         reward = math.nan if failed else trajectory.reward

@@ -101,6 +101,7 @@ class RunRecord:
         metrics["faults/count"] = float(len(faults))
         recovery = [f.recovery_seconds or 0.0 for f in faults]
         metrics["faults/recovery_seconds"] = max(recovery) if recovery else 0.0
+        metrics["faults/refused_calls"] = float(self.timeline.take_refused())
         await self._record_faults(trained.step, faults)
         await self._store.record_metrics(self.run_id, trained.step, metrics)
         self._sink.log(trained.step, metrics, total_steps=self._config.steps)

@@ -16,7 +16,9 @@ misbehaving reward costs:
 
 No failure of a reward is retried: a deterministic crash would only crash again, and an
 episode is never trained on a reward it did not get (`reward_error` is an infrastructure stop
-reason: excluded from training and counted, and the run's infra-error bound applies).
+reason: excluded from training and counted, and the run's infra-error bound applies). A call
+the deployment refuses because its queue is full (`services.max_queued_requests`) is no
+failure: it is sent again after a pause, within the reward's timeout.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from omniloop.trajectory import Trajectory
 
 HANG_GRACE_S = 5.0
 """Seconds past its deadline an evaluation may still run before its replica counts as hung."""
+REFUSED_PAUSE_S = 0.2
+"""Seconds before a call the deployment refused (its queue was full) is sent again."""
 WATCHDOG_PERIOD_S = 0.1
 """How often the memory watchdog looks at the replica's resident memory."""
 
@@ -112,13 +116,19 @@ class RemoteReward:
         transcript: Transcript | None = None,
         trajectory: Trajectory | None = None,
     ) -> RewardScore:
-        call = self._handle.evaluate.remote(self.name, task, response, transcript, trajectory)
-        try:
-            result: RewardScore = await call
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        return result
+        from ray.serve.exceptions import BackPressureError
+
+        while True:
+            call = self._handle.evaluate.remote(self.name, task, response, transcript, trajectory)
+            try:
+                result: RewardScore = await call
+            except BackPressureError:
+                await asyncio.sleep(REFUSED_PAUSE_S)
+                continue
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            return result
 
 
 def remote_rewards(specs: list[str], handle: Any) -> list[RewardFn]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,13 @@ from omniloop.platform.control.components import (
 )
 from omniloop.platform.control.console import console, progress_bar
 from omniloop.platform.control.engines import local_engine
-from omniloop.platform.control.episode import EpisodeSettings, run_episode
+from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
 from omniloop.platform.control.rollout_config import EngineConfig, RolloutConfig
-from omniloop.sandboxes.base import Sandbox
 from omniloop.sandboxes.config import SandboxConfig
 from omniloop.sandboxes.factory import create_sandbox, resolve_backend
+from omniloop.sandboxes.local import TOKEN_ENV, LocalSandboxd, RemoteSandboxes
 from omniloop.sandboxes.pool import SandboxPool
+from omniloop.sandboxes.remote import SandboxClient
 from omniloop.trajectory import Trajectory
 
 
@@ -71,11 +73,26 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def sandbox_pool(config: SandboxConfig) -> AsyncIterator[SandboxPool[Sandbox]]:
-    """A warm pool of the configured backend's sandboxes; the choice of backend is printed."""
+async def sandbox_pool(
+    config: SandboxConfig, log_dir: Path | None = None
+) -> AsyncIterator[SandboxProvider]:
+    """Where this process's episodes get sandboxes, as `config.service` says: a sandboxd child
+    process (`local`, its log in `log_dir/sandboxd.log` when given), a running sandboxd (a
+    URL), or a warm pool in this process (`in_process`). The backend is printed."""
+    if config.service.startswith(("http://", "https://")):
+        console.print(f"[bold]sandbox service:[/bold] {config.service} ({config.backend})")
+        client = SandboxClient(config.service, token=os.environ.get(TOKEN_ENV))
+        async with client:
+            yield RemoteSandboxes(client, config)
+        return
     backend = resolve_backend(config)
     console.print(f"[bold]sandbox backend:[/bold] {backend}")
     resolved = config.model_copy(update={"backend": backend})
+    if config.service == "local":
+        log = log_dir / "sandboxd.log" if log_dir is not None else None
+        async with LocalSandboxd(resolved, log_path=log) as local:
+            yield local
+        return
     async with SandboxPool(lambda: create_sandbox(resolved), config.pool_size) as pool:
         yield pool
 
@@ -96,7 +113,7 @@ async def run_rollout(config: RolloutConfig) -> list[Trajectory]:
     async with (
         engine_url(config.engine, log_dir=output.parent) as url,
         EngineClient(url) as engine,
-        sandbox_pool(config.sandbox) as pool,
+        sandbox_pool(config.sandbox, log_dir=output.parent) as pool,
     ):
 
         async def one(task: Task, settings: EpisodeSettings) -> Trajectory:

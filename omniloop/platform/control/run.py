@@ -18,6 +18,7 @@ from omniloop.platform.control.run_config import RunConfig, config_yaml
 
 if TYPE_CHECKING:
     from omniloop.inference.base import Engine
+    from omniloop.platform.control.episode import SandboxProvider
     from omniloop.platform.control.faults import Retry
     from omniloop.platform.control.local import ActorWeights, EpisodeRunner, LocalActor
     from omniloop.platform.data import DataPlane
@@ -158,11 +159,16 @@ def check_tasks(config: RunConfig) -> None:
 
 @contextlib.asynccontextmanager
 async def episode_runner(
-    config: RunConfig, engine: str | Engine, *, rewards: list[RewardFn] | None = None
+    config: RunConfig,
+    engine: str | Engine,
+    *,
+    rewards: list[RewardFn] | None = None,
+    sandboxes: SandboxProvider | None = None,
 ) -> AsyncIterator[EpisodeRunner]:
     """What runs a run's episodes (in this process or a rollout replica): the task set, agent,
     rewards (the configured ones in this process unless `rewards` are given), an engine
-    client, a sandbox pool, a data-plane client and the run store."""
+    client, sandboxes (a pool in this process unless `sandboxes` are given), a data-plane
+    client and the run store."""
     from omniloop.agents.chat import ChatFormat
     from omniloop.inference.client import EngineClient
     from omniloop.inference.models import load_tokenizer
@@ -176,7 +182,10 @@ async def episode_runner(
     async with contextlib.AsyncExitStack() as stack:
         if isinstance(engine, str):
             engine = await stack.enter_async_context(EngineClient(engine))
-        pool = await stack.enter_async_context(sandbox_pool(config.rollout.sandbox))
+        if sandboxes is None:
+            sandboxes = await stack.enter_async_context(
+                sandbox_pool(config.rollout.sandbox, log_dir=Path(config.run_dir))
+            )
         data = DataPlane.start()
         stack.callback(data.close)
         store = AsyncStore.open(config.database)
@@ -188,7 +197,7 @@ async def episode_runner(
             rewards=build_rewards(config.rollout.rewards) if rewards is None else rewards,
             chat=ChatFormat(load_tokenizer(config.model), agent.tool_schemas),
             engine=engine,
-            sandboxes=pool,
+            sandboxes=sandboxes,
             data=data,
             store=store,
         )

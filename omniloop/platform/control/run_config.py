@@ -72,15 +72,30 @@ class ServicesConfig(StrictModel):
     reward_replicas: int = Field(default=2, ge=1)
     """Replicas of the reward deployment, where reward functions run (a reward that crashes
     its process takes down only the replica, and the episodes it was scoring)."""
+    sandbox_replicas: int = Field(default=1, ge=1)
+    """Replicas of the sandbox deployment (sandboxd: the only process of the run that creates
+    sandboxes); on a cluster, spread them with `placement.sandbox.max_replicas_per_node`."""
+    sandbox_wait_s: float = Field(default=60.0, gt=0)
+    """Seconds an episode waits for a sandbox replica to answer (one is being replaced) before
+    it fails as `sandbox_error`."""
     reward_memory_mb: int = Field(default=2048, ge=64)
     """Resident memory past which a reward replica ends itself (a runaway reward)."""
+    api: bool = True
+    """Serve the run's REST API and dashboard as the `api` role (Ray Serve's HTTP proxy, on
+    the head node) at `api_host:api_port` for as long as the run lasts; the URL is printed at
+    start. Reads only: episodes submitted there wait for an `omniloop serve` on the store."""
+    api_host: str = "127.0.0.1"
+    """Interface of the api role's HTTP proxy (beyond loopback needs `OMNILOOP_API_TOKEN`)."""
+    api_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the api role's HTTP proxy; 0 picks a free one."""
     health_poll_s: float = Field(default=1.0, gt=0)
     """Seconds between the health monitor's polls of every role's deployment status."""
     max_failed_polls: int = Field(default=30, ge=1)
     """Consecutive polls Ray Serve may fail to answer before the run fails."""
-    placement: dict[Literal["actor", "engine", "reward", "rollout", "advantage"], RolePlacement] = (
-        Field(default_factory=dict)
-    )
+    placement: dict[
+        Literal["actor", "engine", "reward", "rollout", "advantage", "sandbox", "api"],
+        RolePlacement,
+    ] = Field(default_factory=dict)
     """Per role, the resources its replicas ask Ray for (default: none beyond the node's)."""
     health_check_period_s: float = Field(default=2.0, gt=0)
     """Seconds between Ray Serve's health checks of each replica (`check_health`)."""

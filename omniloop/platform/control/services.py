@@ -10,22 +10,26 @@ reached by the controller only through a `DeploymentHandle` behind the protocols
 - `engine` (`engine_service.EngineServer`, `services.engine_replicas`): each replica launches
   or adopts one engine and attaches it to the actor before it serves.
 - `reward` (`reward_service.RewardServer`, `services.reward_replicas`): the reward functions.
+- `sandbox` (`sandbox_service.SandboxServer`, `services.sandbox_replicas`): sandboxd, the only
+  process that creates sandboxes; each replica serves its own over HTTP.
 - `rollout` (`RolloutServer`, `services.rollout_replicas`): one request per episode; each
-  replica has its own sandbox pool, data-plane client and store connection, reaches engines
-  through `ServiceEngine` and rewards through `RemoteReward`s, and runs up to its share of
-  `rollout.concurrency` episodes at once (`max_ongoing_requests`).
+  replica has its own data-plane client and store connection, reaches engines through
+  `ServiceEngine`, sandboxes through `ServiceSandboxes` and rewards through `RemoteReward`s,
+  and runs up to its share of `rollout.concurrency` episodes at once (`max_ongoing_requests`).
 - `advantage` (`AdvantageServer`): one request per step, which reads the step whole.
+- `api` (`api_service.ApiServer`, with `services.api`): the REST API and dashboard over the
+  run's store, behind Serve's HTTP proxy (deployed first: it needs none of the others).
 
 What a dead replica costs: Serve replaces it (health checks: `check_health` tests what the
-role needs, every `services.health_check_period_s`); an episode it was running is re-run
-elsewhere as `attempt + 1` under the same trajectory id, a step's advantages are computed
-again (`faults.Retry`); an engine's episodes wait for its replacement; a lost actor is restored
-from the newest checkpoint by the controller (`ActorLost`, `train_loop`). A full queue refuses
+role needs, every `services.health_check_period_s`); an episode it was running (or whose
+sandbox replica died) is re-run as `attempt + 1` under the same trajectory id, a step's
+advantages are computed again (`faults.Retry`); an engine's episodes wait for its
+replacement; a lost actor is restored from the newest checkpoint by the controller
+(`ActorLost`, `train_loop`). A full queue refuses
 calls (`BackPressureError`), which the controller waits out and retries; nothing is dropped.
 
-Not covered yet: sandboxes are created in each rollout replica (no sandbox role of its own);
-the REST API is `omniloop serve`, not a deployment; a reference model for KL lives in the
-actor's backend.
+Not covered yet: a reference model for KL lives in the actor's backend, not in a role of its
+own.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle
 
+from omniloop.errors import SandboxLost
+from omniloop.platform.control.api_service import ApiServer
+from omniloop.platform.control.console import console
 from omniloop.platform.control.controller import (
     ActorLost,
     EpisodeSummary,
@@ -71,6 +78,8 @@ from omniloop.platform.control.health import HealthMonitor
 from omniloop.platform.control.local import StepRollout
 from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
+from omniloop.platform.control.sandbox_service import SandboxServer
+from omniloop.processes import free_port
 
 T = TypeVar("T")
 
@@ -81,9 +90,12 @@ replica still writes its own log file under the Ray session's `logs/serve/`."""
 
 
 def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
-    """A Serve call's failure as the role's (`busy`: refused; `lost`: its replica is gone)."""
+    """A Serve call's failure as the role's (`busy`: refused; `lost`: its replica is gone, or
+    the sandbox replica an episode was using is: `SandboxLost`, raised by the rollout)."""
     if isinstance(err, BackPressureError):
         return "busy", ""
+    if isinstance(err, SandboxLost):
+        return "lost", ""
     if isinstance(
         err, ActorDiedError | ActorUnavailableError | RayActorError | ActorUnschedulableError
     ):
@@ -112,13 +124,18 @@ class RolloutServer:
         from omniloop.platform.control.engine_service import ServiceEngine
         from omniloop.platform.control.reward_service import remote_rewards
         from omniloop.platform.control.run import episode_runner
+        from omniloop.platform.control.sandbox_service import ServiceSandboxes
 
         self._stack = contextlib.AsyncExitStack()
         engine = ServiceEngine(serve.get_app_handle("engine"), config.services.engine_wait_s)
         self._stack.push_async_callback(engine.aclose)
+        sandboxes = ServiceSandboxes(
+            serve.get_app_handle("sandbox"), config.rollout.sandbox, config.services.sandbox_wait_s
+        )
+        self._stack.push_async_callback(sandboxes.aclose)
         rewards = remote_rewards(config.rollout.rewards, serve.get_app_handle("reward"))
         self._runner = await self._stack.enter_async_context(
-            episode_runner(config, engine, rewards=rewards)
+            episode_runner(config, engine, rewards=rewards, sandboxes=sandboxes)
         )
 
     async def open_step(self, step: int) -> None:
@@ -383,6 +400,12 @@ async def service_roles(
         cwd,
         paths,
     )
+    sandbox_app = serve.deployment(
+        name="sandbox",
+        num_replicas=settings.sandbox_replicas,
+        max_ongoing_requests=1024,
+        **placed("sandbox"),
+    )(SandboxServer).bind(config, cwd, paths)
     actor_app = serve.deployment(
         name="actor", num_replicas=1, max_ongoing_requests=8, **placed("actor")
     )(ActorServer).bind(config, cwd, paths)
@@ -391,14 +414,28 @@ async def service_roles(
         name="engine", num_replicas=engines, max_ongoing_requests=1024, **placed("engine")
     )(EngineServer).bind(config, str(Path(config.run_dir).resolve()), cwd, paths)
 
+    api_port = settings.api_port or free_port()
+    api_app = serve.deployment(
+        name="api", num_replicas=1, max_ongoing_requests=256, **placed("api")
+    )(serve.ingress()(ApiServer)).bind(config, os.environ.get("OMNILOOP_API_TOKEN"))
+
     def deploy() -> tuple[DeploymentHandle, DeploymentHandle, DeploymentHandle]:
         # The driver's Serve logger says "Application ... is ready" and the like at INFO.
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         _forget_serve_client()
-        serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
+        if settings.api:
+            serve.start(
+                proxy_location="HeadOnly",
+                http_options={"host": settings.api_host, "port": api_port},
+                logging_config=SERVE_LOGGING,
+            )
+            serve.run(api_app, name="api", route_prefix="/", logging_config=SERVE_LOGGING)
+        else:
+            serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
         actor = serve.run(actor_app, name="actor", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(reward_app, name="reward", route_prefix=None, logging_config=SERVE_LOGGING)
+        serve.run(sandbox_app, name="sandbox", route_prefix=None, logging_config=SERVE_LOGGING)
         return (
             actor,
             serve.run(rollout_app, name="rollout", route_prefix=None, logging_config=SERVE_LOGGING),
@@ -410,6 +447,10 @@ async def service_roles(
     try:
         actor, rollout, advantage = await asyncio.to_thread(deploy)
         version = await actor.version.remote()
+        if settings.api:
+            console.print(
+                f"[bold]dashboard[/bold] http://{settings.api_host}:{api_port}/", soft_wrap=True
+            )
 
         async def episode(step: int, index: int, attempt: int) -> EpisodeSummary:
             summary: EpisodeSummary = await rollout.episode.remote(step, index, attempt)
@@ -439,9 +480,11 @@ async def service_roles(
                 {
                     "engine": engines,
                     "reward": settings.reward_replicas,
+                    "sandbox": settings.sandbox_replicas,
                     "rollout": settings.rollout_replicas,
                     "advantage": 1,
                     "actor": 1,
+                    **({"api": 1} if settings.api else {}),
                 },
                 timeline,
                 period_s=settings.health_poll_s,

@@ -18,7 +18,7 @@ import torch
 
 from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient
-from omniloop.platform.control.engines import free_port
+from omniloop.processes import free_port
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trainer.weight_sync import (

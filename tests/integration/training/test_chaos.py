@@ -2,18 +2,21 @@
 
 One real run of the toy task with the roles as Ray Serve deployments. While it trains, a
 watcher SIGKILLs the process of one replica per role, each at a step of its own, in the middle
-of that step's work: a rollout replica while step 1's episodes run, the advantage replica
-while step 3's groups arrive, the engine's replica (and so its engine) during step 4. Ray
-Serve replaces each; the controller re-runs what was cut off; episodes waiting on the dead
-engine resume on its replacement, which has the current weights before it serves (a sample of
-older weights would be refused by the actor and missing from `trained.jsonl`); the actor's
-replica during step 7: only the actor restarts, from its checkpoint of step 6, while the rollout
-goes on, and steps 6 and 7 are produced and trained again under the same ids.
+of that step's work: a rollout replica while step 1's episodes run, the sandbox replica
+(sandboxd, and with it every sandbox) during step 2, the advantage replica while step 3's
+groups arrive, the engine's replica (and so its engine) during step 4. Ray Serve replaces
+each; the controller re-runs what was cut off (an episode whose sandbox died is run again from
+the start); episodes waiting for a sandbox or on the dead engine resume on the replacement,
+which for an engine has the current weights before it serves (a sample of older weights would
+be refused by the actor and missing from `trained.jsonl`); the actor's replica during step 7:
+only the actor restarts, from its checkpoint of step 6, while the rollout goes on, and steps 6
+and 7 are produced and trained again under the same ids.
 
 Afterwards: the run completed; every trajectory id of every step was trained exactly once
 (`trained.jsonl`); the store holds every episode once; each kill is a fault on the timeline
-(`faults.jsonl` and the run's events) with its recovery time; and a killed engine replica
-left no engine process behind.
+(`faults.jsonl` and the run's events) with its recovery time; a killed engine or sandbox
+replica left no engine or sandbox process behind; and the run's REST API (the api replica,
+killed during step 5) answered about the run before and again after.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -36,6 +40,7 @@ from omniloop.platform.control.local import step_tasks
 from omniloop.platform.control.run import run
 from omniloop.platform.control.services import replica_pids
 from omniloop.platform.store import Store
+from omniloop.processes import free_port
 from omniloop.trajectory import trajectory_id
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -44,7 +49,7 @@ STEPS = 8
 CHECKPOINT_EVERY = 3
 TASKS_PER_STEP = 4
 SAMPLES = 4
-KILLS = {"rollout": 1, "advantage": 3, "engine": 4, "actor": 7}
+KILLS = {"rollout": 1, "sandbox": 2, "advantage": 3, "engine": 4, "api": 5, "actor": 7}
 """Role -> the step during whose rollout one of its replicas is killed."""
 
 
@@ -61,30 +66,54 @@ class ChaosRun:
     """Role -> pid killed."""
     orphans: dict[str, list[int]] = field(default_factory=dict)
     """Role -> the killed replica's child processes (its engine, its sandboxes)."""
+    api: dict[str, Any] = field(default_factory=dict)
+    """What the run's REST API answered before its replica was killed, and after."""
 
 
-def _kill_during_steps(
-    run_dir: Path, killed: dict[str, int], orphans: dict[str, list[int]], stop: threading.Event
-) -> None:
-    """SIGKILL a replica of each role of `KILLS` once its step has written a few episodes."""
+def _api_answers(url: str, deadline: float) -> httpx.Response | None:
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(url, timeout=5)
+            if response.status_code == 200:
+                return response
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return None
+
+
+def _kill_during_steps(run: ChaosRun, api_url: str, stop: threading.Event) -> None:
+    """SIGKILL a replica of each role of `KILLS` once its step has written a few episodes;
+    around the api's kill, ask the run's REST API about the run."""
     pending = dict(KILLS)
     while pending and not stop.is_set():
         for role, step in list(pending.items()):
-            written = run_dir / "trajectories" / f"step_{step}.jsonl"
+            written = run.run_dir / "trajectories" / f"step_{step}.jsonl"
             if written.is_file() and len(written.read_text().splitlines()) >= 1:
                 pids = replica_pids(role)
                 if pids:
+                    if role == "api":
+                        run_id = (run.run_dir / "run_id").read_text().strip()
+                        page = f"{api_url}/v1/runs/{run_id}"
+                        run.api["before"] = _api_answers(page, time.monotonic() + 30)
                     children = psutil.Process(pids[0]).children(recursive=True)
                     os.kill(pids[0], signal.SIGKILL)
-                    killed[role] = pids[0]
-                    orphans[role] = [c.pid for c in children]
+                    run.killed[role] = pids[0]
+                    run.orphans[role] = [c.pid for c in children]
                     del pending[role]
+                    if role == "api":  # beside the watcher: the actor's kill must not wait
+
+                        def after(page: str = page) -> None:
+                            run.api["after"] = _api_answers(page, time.monotonic() + 90)
+
+                        threading.Thread(target=after, daemon=True).start()
         time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
 def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> ChaosRun:
     run_dir = tmp_path_factory.mktemp("chaos")
+    port = free_port()
     config = toy_config(
         run_dir,
         {
@@ -95,29 +124,38 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
             "checkpoint_every": CHECKPOINT_EVERY,
             "services.mode": "services",
             "services.rollout_replicas": 2,
+            "services.api_port": port,
         },
     )
-    killed: dict[str, int] = {}
-    orphans: dict[str, list[int]] = {}
+    chaos = ChaosRun(run_dir, [], [])
     stop = threading.Event()
-    watcher = threading.Thread(target=_kill_during_steps, args=(run_dir, killed, orphans, stop))
+    watcher = threading.Thread(
+        target=_kill_during_steps, args=(chaos, f"http://127.0.0.1:{port}", stop)
+    )
     watcher.start()
     try:
         asyncio.run(run(config))
     finally:
         stop.set()
         watcher.join()
-    return ChaosRun(
-        run_dir,
-        read_jsonl(run_dir / "trained.jsonl"),
-        read_jsonl(run_dir / "faults.jsonl") if (run_dir / "faults.jsonl").exists() else [],
-        killed,
-        orphans,
-    )
+    deadline = time.monotonic() + 90
+    while "api" in chaos.killed and "after" not in chaos.api and time.monotonic() < deadline:
+        time.sleep(0.2)
+    chaos.trained = read_jsonl(run_dir / "trained.jsonl")
+    if (run_dir / "faults.jsonl").exists():
+        chaos.faults = read_jsonl(run_dir / "faults.jsonl")
+    return chaos
 
 
 def test_each_role_was_killed_mid_run(chaos_run: ChaosRun) -> None:
     assert set(chaos_run.killed) == set(KILLS)
+
+
+def test_the_run_s_api_answers_again_after_its_replica_was_killed(chaos_run: ChaosRun) -> None:
+    before, after = chaos_run.api.get("before"), chaos_run.api.get("after")
+    assert before is not None, "the run's REST API did not answer while the run trained"
+    assert after is not None, "the run's REST API did not come back after its replica died"
+    assert after.json()["id"] == before.json()["id"]
 
 
 def test_the_restored_actor_continues_from_its_checkpoint(chaos_run: ChaosRun) -> None:
@@ -127,18 +165,30 @@ def test_the_restored_actor_continues_from_its_checkpoint(chaos_run: ChaosRun) -
     assert versions == [(k, k + 1) for k in range(STEPS)]
 
 
-def test_episodes_waiting_on_the_dead_engine_resumed_on_its_replacement(
+def test_episodes_cut_off_by_a_dead_engine_or_sandbox_resumed_on_the_replacement(
     chaos_run: ChaosRun,
 ) -> None:
     for path in (chaos_run.run_dir / "trajectories").glob("step_*.jsonl"):
         stops = [t["meta"]["stop_reason"] for t in read_jsonl(path)]
         assert "engine_error" not in stops, path.name
+        assert "sandbox_error" not in stops, path.name
 
 
-def test_a_killed_engine_replica_takes_its_engine_with_it(chaos_run: ChaosRun) -> None:
-    assert chaos_run.orphans["engine"], "the engine replica had no engine process"
-    alive = [pid for pid in chaos_run.orphans["engine"] if psutil.pid_exists(pid)]
-    assert not [p for p in alive if psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.parametrize("role", ["engine", "sandbox"])
+def test_a_killed_replica_takes_its_processes_with_it(chaos_run: ChaosRun, role: str) -> None:
+    # The engine replica's engine; the sandbox replica's warm pool of bwrap sandboxes.
+    assert chaos_run.orphans[role], f"the {role} replica had no child process"
+    deadline = time.monotonic() + 10
+    while [p for p in chaos_run.orphans[role] if _running(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in chaos_run.orphans[role] if _running(p)]
 
 
 def test_every_trajectory_of_every_step_is_trained_exactly_once(
@@ -178,7 +228,10 @@ def test_each_kill_is_on_the_fault_timeline_with_its_recovery(
     faults = [f for f in chaos_run.faults if f["role"] == role]
     assert len(faults) == 1, chaos_run.faults
     fault = faults[0]
-    if role != "engine":  # episodes wait out an engine's replacement: nothing is re-run
+    # Episodes wait out an engine's replacement: nothing is re-run. A sandbox replica's kill
+    # re-runs the episodes that were inside a sandbox at that moment, and there may be none.
+    # The api does no work of the run's.
+    if role not in ("engine", "sandbox", "api"):
         assert fault["retried"], "the work the replica was doing was not retried"
     assert fault["recovery_seconds"] is not None
     assert 0 <= fault["recovery_seconds"] < 120

@@ -5,6 +5,10 @@ One real run of the toy task with the roles as Ray Serve deployments and a secon
 one of step 2 and allocates memory without bound on one of step 4. Each of those episodes ends
 `reward_error` (an infrastructure failure: recorded, counted, never trained); the run goes on
 and completes; the reward role's failures are on the fault timeline.
+
+The same run floods the rollout role: one replica runs 4 episodes at once and queues 2 more
+(`services.max_queued_requests`), while each step asks for 16. The calls past that are refused
+(back-pressure) and retried; none is lost, and none counts as a fault.
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ def reward_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Pat
             "checkpoint_every": STEPS,
             "services.mode": "services",
             "services.reward_memory_mb": 768,
+            "services.rollout_replicas": 1,
+            "services.max_queued_requests": 2,
+            "rollout.concurrency": 4,
             "rollout.reward_timeout": 3.0,
             "rollout.rewards": [
                 str(Path(__file__).parents[3] / "examples/toy_tool/agent.py:found_the_treasure"),
@@ -80,6 +87,18 @@ def test_the_run_goes_on_and_most_episodes_are_scored(reward_run: Path) -> None:
     with Store(f"sqlite:///{reward_run}/omniloop.db") as store:
         run_id = (reward_run / "run_id").read_text().strip()
         assert store.get_run(run_id).status == "completed"
+
+
+def test_a_flooded_role_refuses_calls_which_are_retried_not_lost(reward_run: Path) -> None:
+    metrics = read_jsonl(reward_run / "metrics.jsonl")
+    assert sum(m["faults/refused_calls"] for m in metrics) > 0, "the rollout was never flooded"
+    faults = read_jsonl(reward_run / "faults.jsonl")
+    assert not [f for f in faults if f["role"] == "rollout"], "a refusal counted as a fault"
+    trained = read_jsonl(reward_run / "trained.jsonl")
+    # Every episode was run and written once: refused calls were neither dropped nor doubled.
+    ids = [traj_id for step in trained for traj_id, _ in step["samples"]]
+    assert len(ids) == len(set(ids))
+    assert len(_trajectories(reward_run)) == STEPS * 16
 
 
 def test_the_reward_role_failures_are_on_the_fault_timeline(reward_run: Path) -> None:

@@ -1,0 +1,55 @@
+"""The api role: the REST API and the dashboard of a run, as a Ray Serve deployment.
+
+Each `ApiServer` replica is the app `omniloop serve` builds (`/v1`, `/metrics`, the dashboard)
+over the run's store, behind Ray Serve's HTTP proxy on `services.api_host:services.api_port`.
+It runs no episodes of its own (`concurrency: 0`; submitted episodes stay queued for an
+`omniloop serve` that shares the store) and leaves the store's queue alone at start-up. Reads
+only: a replica that dies costs nothing but the requests it was answering, which the proxy
+answers 503 until Serve has replaced it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omniloop.platform.control.run_config import RunConfig
+
+
+class ApiServer:
+    """An api replica (wrapped by `serve.ingress()` when deployed)."""
+
+    def __init__(self, config: RunConfig, token: str | None) -> None:
+        from sqlalchemy import create_engine
+
+        from omniloop.platform.api.settings import ApiSettings
+
+        self._settings = ApiSettings.model_validate(
+            {
+                "host": config.services.api_host,
+                "db_url": config.database,
+                "api_token": token,
+                "concurrency": 0,
+                "recover_on_start": False,
+            }
+        )
+        # `run` resolves the database before it deploys a role.
+        assert config.database is not None
+        self._ping = create_engine(config.database, pool_size=1, max_overflow=0)
+
+    def __serve_build_asgi_app__(self) -> Any:
+        from omniloop.platform.api.app import create_app
+        from omniloop.platform.api.cli import web_routes
+
+        return create_app(self._settings, extra_routes=web_routes())
+
+    async def check_health(self) -> None:
+        # What the replica needs beyond its process: the store answers.
+        import asyncio
+
+        from sqlalchemy import text
+
+        def ping() -> None:
+            with self._ping.connect() as connection:
+                connection.execute(text("SELECT 1"))
+
+        await asyncio.to_thread(ping)

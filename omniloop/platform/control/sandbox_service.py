@@ -1,0 +1,172 @@
+"""The sandbox role: sandboxd as a Ray Serve deployment, and the rollout's side of it.
+
+Each `SandboxServer` replica runs one sandboxd (`sandboxes/service.py`: its warm pools, reaper,
+exactly-once `exec`) with its HTTP app on a port of its own node, behind a bearer token made
+for the replica. It is the only process of a run that creates sandboxes (Docker, gVisor or
+bwrap). A rollout replica asks the deployment for an `endpoint` (Ray Serve picks a live
+replica), creates the sandbox there, and from then on talks to that sandboxd directly over
+HTTP (`RemoteSandbox`): a sandbox lives in one replica, which a handle call could not be
+pinned to.
+
+What a dead replica costs: its sandboxes die with it (bwrap's die-with-parent; Docker
+containers are removed by the replacement's start-up reaper, which finds their owner gone).
+An episode that was using one sees `SandboxLost`, and the rollout re-runs it from the start as
+`attempt + 1` under the same trajectory id (`EpisodeRunner.run`). An episode that asks for a
+sandbox while no replica answers waits up to `services.sandbox_wait_s` for the replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from typing import Any
+
+import httpx
+import uvicorn
+from ray.serve.handle import DeploymentHandle
+
+from omniloop.errors import SandboxLost
+from omniloop.platform.control.run_config import RunConfig
+from omniloop.sandboxes.base import Sandbox
+from omniloop.sandboxes.config import SandboxConfig
+from omniloop.sandboxes.remote import SandboxClient
+
+_START_TIMEOUT_S = 60.0
+
+
+class SandboxServer:
+    """A sandbox replica: one sandboxd in this process, reachable at `endpoint()`."""
+
+    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+        import ray
+
+        from omniloop.platform.control.services import enter_run_folder
+        from omniloop.sandboxes.factory import resolve_backend
+        from omniloop.sandboxes.service import SandboxdSettings, create_app
+
+        enter_run_folder(cwd, paths)
+        sandbox = config.rollout.sandbox
+        host = ray.util.get_node_ip_address()
+        self._token = secrets.token_urlsafe(24)
+        settings = SandboxdSettings(
+            host=host,
+            port=0,
+            token=self._token,
+            default_image=sandbox.image,
+            default_backend=resolve_backend(sandbox),
+            limits=sandbox.limits,
+            pool_size=sandbox.pool_size,
+            pool_images=[sandbox.image] if sandbox.pool_size else [],
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(settings),
+                host=host,
+                port=0,
+                log_level="warning",
+                access_log=False,
+                timeout_graceful_shutdown=5,
+            )
+        )
+        self._serving = asyncio.create_task(self._server.serve())
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()  # the start-up error, raised here
+                raise RuntimeError("sandboxd stopped while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sandboxd did not start within {_START_TIMEOUT_S:.0f}s")
+            await asyncio.sleep(0.05)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self._url = f"http://{host}:{port}"
+        self._http = httpx.AsyncClient(base_url=self._url, timeout=10.0)
+
+    async def endpoint(self) -> tuple[str, str]:
+        """This replica's sandboxd: its URL and bearer token."""
+        return self._url, self._token
+
+    async def check_health(self) -> None:
+        # Through HTTP, as clients see it: the app answers and the backend can run.
+        response = await self._http.get("/readyz")
+        if response.status_code != 200:
+            raise RuntimeError(f"sandboxd is not ready: {response.text[:300]}")
+
+    async def __del__(self) -> None:
+        # Serve's graceful stop: the lifespan closes every sandbox and pool.
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._serving, timeout=15)
+        await self._http.aclose()
+
+
+class ServiceSandboxes:
+    """The `SandboxProvider` of a rollout replica: sandboxes from the sandbox role.
+
+    `acquire` asks the deployment for a live replica's endpoint and creates the sandbox there,
+    waiting up to `wait_s` while no replica answers (one is being replaced). `release` removes
+    the sandbox (the replica's warm pool refills). One HTTP client per replica endpoint is
+    kept; one that reported its replica lost is no longer handed out (sandboxes still holding
+    it fail with `SandboxLost` too) and is closed with the provider.
+    """
+
+    def __init__(self, handle: DeploymentHandle, config: SandboxConfig, wait_s: float) -> None:
+        self._handle = handle
+        self._config = config
+        self._wait_s = wait_s
+        self._clients: dict[str, SandboxClient] = {}
+        self._retired: list[SandboxClient] = []
+
+    async def acquire(self) -> Sandbox:
+        deadline = time.monotonic() + self._wait_s
+        while True:
+            client: SandboxClient | None = None
+            try:
+                client = await self._client(max(1.0, deadline - time.monotonic()))
+                return await client.create(self._config)
+            except SandboxLost:
+                if client is not None:
+                    self._forget(client)
+                if time.monotonic() > deadline:
+                    raise
+            except Exception as err:
+                # The deployment itself did not answer (its only replica is down).
+                from omniloop.platform.control.services import classify_failure
+
+                if classify_failure(err) is None and not isinstance(err, TimeoutError):
+                    raise
+                if time.monotonic() > deadline:
+                    raise SandboxLost(
+                        f"no sandbox replica answered within services.sandbox_wait_s="
+                        f"{self._wait_s:g}s: {err}"
+                    ) from err
+            await asyncio.sleep(0.5)
+
+    async def release(self, sandbox: Sandbox) -> None:
+        await sandbox.close()
+
+    async def _client(self, timeout: float) -> SandboxClient:
+        endpoint = self._handle.endpoint.remote()
+        url, token = await asyncio.wait_for(_awaited(endpoint), timeout)
+        client = self._clients.get(url)
+        if client is None:
+            client = self._clients[url] = SandboxClient(url, token=token)
+        return client
+
+    def _forget(self, client: SandboxClient) -> None:
+        if self._clients.get(client.base_url) is client:
+            del self._clients[client.base_url]
+            self._retired.append(client)
+
+    async def aclose(self) -> None:
+        """Close every client (the sandboxes are the service's to close)."""
+        clients = [*self._clients.values(), *self._retired]
+        self._clients, self._retired = {}, []
+        for client in clients:
+            await client.aclose()
+
+
+async def _awaited(response: Any) -> Any:
+    """A Serve response as a coroutine (`asyncio.wait_for` takes awaitables it can cancel)."""
+    return await response

@@ -1,0 +1,103 @@
+"""`sandbox.service: local`: the process running episodes gets its sandboxes from a sandboxd
+child process and creates none itself. Real sandboxd processes, real bwrap sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from omniloop.errors import SandboxLost
+from omniloop.sandboxes.bwrap.cleanup import base_dir
+from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
+from omniloop.sandboxes.local import LocalSandboxd
+
+pytestmark = pytest.mark.slow
+
+BWRAP = SandboxConfig(backend="bwrap", pool_size=1, limits=SandboxLimits(timeout=10, memory_mb=256))
+
+
+def _owner(sandbox_id: str) -> int:
+    return int(json.loads((base_dir() / sandbox_id / "owner.json").read_text())["pid"])
+
+
+def _gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+async def test_sandboxes_come_from_a_child_sandboxd() -> None:
+    async with LocalSandboxd(BWRAP) as local:
+        assert local.pid is None, "started before anyone asked for a sandbox"
+        sandbox = await local.acquire()
+        assert local.pid is not None
+        assert _owner(sandbox.id) == local.pid != os.getpid()
+        assert psutil.Process(local.pid).ppid() == os.getpid()
+        result = await sandbox.exec(["python3", "-c", "print(6 * 7)"])
+        assert result.ok
+        assert result.stdout.strip() == "42"
+        await local.release(sandbox)
+        child = local.pid
+    assert _gone(child), "aclose left the sandboxd running"
+
+
+async def test_a_dead_child_loses_its_sandboxes_and_the_next_acquire_starts_another() -> None:
+    async with LocalSandboxd(BWRAP) as local:
+        sandbox = await local.acquire()
+        first = local.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert await asyncio.to_thread(_gone, first)
+        with pytest.raises(SandboxLost):
+            await sandbox.exec(["true"])
+        again = await local.acquire()
+        assert local.pid not in (None, first)
+        assert (await again.exec(["true"])).ok
+        await local.release(again)
+
+
+def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import asyncio, os, sys
+        from omniloop.sandboxes.config import SandboxConfig
+        from omniloop.sandboxes.local import LocalSandboxd
+
+        async def main():
+            local = LocalSandboxd(SandboxConfig(backend="bwrap", pool_size=0))
+            await local.acquire()
+            print(local.pid, flush=True)
+            await asyncio.sleep(300)
+
+        asyncio.run(main())
+        """
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=tmp_path
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        assert psutil.pid_exists(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        assert _gone(child), "the sandboxd outlived the process that started it"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
