@@ -3,7 +3,8 @@
 The toy tool task (tiny model warm-started on the call format) is trained twice in this
 invocation, with the roles as Ray Serve deployments: once undisturbed (the baseline), once
 while a watcher SIGKILLs the process of one replica of a random role (`rollout`, `sandbox`,
-`reward`, `advantage`, `engine`, `actor`, `api`) every `--kill-every` seconds. Both runs train the same steps.
+`reward`, `advantage`, `engine`, `actor`, `api`) every `--kill-every` seconds. Both runs train
+the same steps.
 
 Prints ONE JSON line:
 - `recovery_s`: role -> seconds from the failure being detected to the role being back at full

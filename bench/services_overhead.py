@@ -10,9 +10,10 @@ pools and first compilations); start-up (Ray, Serve deployments, engine, model) 
 apart.
 
 Prints ONE JSON line: `step_seconds_services`, `step_seconds_in_process`, `ratio` (services /
-in process), the episodes per second of each, start-up seconds of each, and the load average.
+in process), the episodes per second of each, the median rollout and optimizer-step seconds of
+each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds of each, and the load average.
 
-    .venv/bin/python bench/services_overhead.py [--steps 10] [--rounds 2]
+    .venv/bin/python bench/services_overhead.py [--steps 10] [--rounds 2] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def train_once(model: Path, run_dir: Path, mode: str, steps: int) -> dict[str, Any]:
-    """Train `steps` steps with the roles in `mode`; the step metrics and start-up seconds."""
+def train_once(
+    model: Path, run_dir: Path, mode: str, steps: int, extra: list[str]
+) -> dict[str, Any]:
+    """Train `steps` steps with the roles in `mode` (and the dotted overrides `extra`); the
+    step metrics and start-up seconds."""
     from omniloop.config import load_config
     from omniloop.platform.control.run import run
     from omniloop.platform.control.run_config import RunConfig
@@ -54,6 +58,7 @@ def train_once(model: Path, run_dir: Path, mode: str, steps: int) -> dict[str, A
             "tensorboard=false",
             f"database=sqlite:///{run_dir}/omniloop.db",
             f"services.mode={mode}",
+            *extra,
         ],
     )
     started = time.perf_counter()
@@ -67,6 +72,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10, help="steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted override of the services run (e.g. services.rollout_replicas=1)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(TOY))
@@ -76,16 +88,22 @@ def main() -> None:
     steps: dict[str, list[float]] = {"in_process": [], "services": []}
     episodes: dict[str, list[float]] = {"in_process": [], "services": []}
     startup: dict[str, list[float]] = {"in_process": [], "services": []}
+    phases: dict[str, dict[str, list[float]]] = {
+        mode: {"rollout": [], "train": []} for mode in ("in_process", "services")
+    }
     with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
         root = Path(scratch)
         model = warm_start(root / "model")
         for round_ in range(args.rounds):
             for mode in ("in_process", "services"):
-                result = train_once(model, root / f"{mode}-{round_}", mode, args.steps)
+                extra = args.set if mode == "services" else []
+                result = train_once(model, root / f"{mode}-{round_}", mode, args.steps, extra)
                 kept = result["metrics"][WARMUP_STEPS:]
                 steps[mode] += [m["perf/step_seconds"] for m in kept]
                 episodes[mode] += [m["episodes/count"] / m["perf/step_seconds"] for m in kept]
                 startup[mode].append(result["startup_s"])
+                for phase in ("rollout", "train"):
+                    phases[mode][phase] += [m[f"perf/{phase}_seconds"] for m in kept]
     services = statistics.median(steps["services"])
     in_process = statistics.median(steps["in_process"])
     print(
@@ -97,10 +115,16 @@ def main() -> None:
                 "ratio": round(services / in_process, 3),
                 "episodes_per_s_services": round(statistics.median(episodes["services"]), 2),
                 "episodes_per_s_in_process": round(statistics.median(episodes["in_process"]), 2),
+                **{
+                    f"{phase}_seconds_{mode}": round(statistics.median(values), 3)
+                    for mode, by_phase in phases.items()
+                    for phase, values in by_phase.items()
+                },
                 "startup_s_services": round(statistics.median(startup["services"]), 1),
                 "startup_s_in_process": round(statistics.median(startup["in_process"]), 1),
                 "steps_measured_per_mode": len(steps["services"]),
                 "rounds": args.rounds,
+                "services_overrides": args.set,
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "cpus": os.cpu_count(),
             }

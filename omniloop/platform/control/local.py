@@ -28,10 +28,11 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -57,6 +58,8 @@ from omniloop.trajectory import INFRA_STOP_REASONS
 if TYPE_CHECKING:
     from omniloop.platform.data import DataPlane
     from omniloop.platform.store import AsyncStore
+
+T = TypeVar("T")
 
 ADVANTAGE_FIELDS = ("reward", "loss_mask", "meta")
 """What the advantage stage reads."""
@@ -353,6 +356,21 @@ class LocalActor:
         # rollout logprobs) and counted; any other sample newer than the trainer is a bug.
         self._restored_from: int | None = None
         self._from_lost_weights = 0
+        # The backend's work runs in one thread of its own: OpenMP's thread count is a setting
+        # of the thread that makes it, so `trainer_threads` holds only where it was set.
+        self._compute = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="trainer",
+            initializer=_set_torch_threads,
+            initargs=(config.trainer_threads,),
+        )
+
+    async def _in_trainer_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def close(self) -> None:
+        """Let the trainer's thread end (after the work it has)."""
+        self._compute.shutdown(wait=False)
 
     @property
     def version(self) -> int:
@@ -390,7 +408,7 @@ class LocalActor:
             # on-policy, unclipped).
             batch_ = TrainBatch.from_rows(kept)
             async with self._lock:
-                raw = await asyncio.to_thread(self._backend.train_step, batch_)
+                raw = await self._in_trainer_thread(self._backend.train_step, batch_)
             # The backend's own timing keys describe the optimizer step alone.
             renames = {
                 "perf/step_seconds": "perf/train_seconds",
@@ -437,7 +455,7 @@ class LocalActor:
                 "python": _python_rng_state(),
             },
         }
-        await asyncio.to_thread(self._backend.save, path, position)
+        await self._in_trainer_thread(self._backend.save, path, position)
 
     async def recover(self, checkpoint: Path | None) -> int:
         """An actor in this process keeps its state as long as the run: only its checkpoint
@@ -448,13 +466,18 @@ class LocalActor:
 
     async def load(self, path: Path) -> int:
         """Restore a `save` checkpoint; returns the step to continue from."""
-        position = await asyncio.to_thread(self._backend.load, path)
+        position = await self._in_trainer_thread(self._backend.load, path)
         self._data.restore_consumed(position["consumed"])
         state = base64.b64decode(position["rng"]["torch"])
         torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         version, internal, gauss = position["rng"]["python"]
         random.setstate((version, tuple(internal), gauss))
         return int(position["step"])
+
+
+def _set_torch_threads(threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def _python_rng_state() -> list[Any]:

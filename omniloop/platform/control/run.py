@@ -212,16 +212,12 @@ async def actor_roles(
     (a new client by default)."""
     import functools
 
-    import torch
-
     from omniloop.inference.models import resolve_model
     from omniloop.platform.control.local import ActorWeights, LocalActor
     from omniloop.platform.data import DataPlane
     from omniloop.trainer.torch_backend import TorchTrainerBackend
     from omniloop.trainer.weight_sync import make_weight_sync
 
-    if config.trainer_threads is not None:
-        torch.set_num_threads(config.trainer_threads)
     seed_everything(config.seed)
     async with contextlib.AsyncExitStack() as stack:
         backend = await asyncio.to_thread(TorchTrainerBackend, config.model, config.trainer)
@@ -233,7 +229,9 @@ async def actor_roles(
         )
         weights = ActorWeights(backend, make_sync, engine_urls)
         stack.push_async_callback(weights.close)
-        yield LocalActor(backend, data, config, lock=weights.lock), weights
+        actor = LocalActor(backend, data, config, lock=weights.lock)
+        stack.callback(actor.close)
+        yield actor, weights
 
 
 @contextlib.asynccontextmanager

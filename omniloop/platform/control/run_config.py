@@ -151,9 +151,9 @@ class RunConfig(StrictModel):
     seed: int = 0
     """Seeds the trainer's RNGs and, as `rollout.seed`, every episode's sampling."""
     trainer_threads: int | None = Field(default=None, ge=1)
-    """torch threads of the trainer (this process); None leaves torch's default. On a small
-    machine give the engine and the trainer one thread each: OpenMP threads competing for
-    the same cores wait on each other."""
+    """torch threads of the trainer's optimizer steps (wherever the actor runs); None leaves
+    torch's default. On a small machine give the engine and the trainer one thread each:
+    OpenMP threads competing for the same cores wait on each other."""
     ray_address: str | None = None
     """Ray cluster to run on: an address (`auto` for the one `ray start` made on this host,
     `ray://head:10001`, `127.0.0.1:6379`); None starts a private local instance for the run."""
