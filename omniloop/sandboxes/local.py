@@ -77,11 +77,6 @@ class LocalSandboxd:
         self._lock = asyncio.Lock()
 
     @property
-    def url(self) -> str | None:
-        """The child's URL once started."""
-        return None if self._sandboxes is None else self._sandboxes.client.base_url
-
-    @property
     def pid(self) -> int | None:
         """The child's process id once started."""
         return None if self._proc is None else self._proc.pid
