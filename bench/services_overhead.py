@@ -11,7 +11,10 @@ apart.
 
 Prints ONE JSON line: `step_seconds_services`, `step_seconds_in_process`, `ratio` (services /
 in process), the episodes per second of each, the median rollout and optimizer-step seconds of
-each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds of each, and the load average.
+each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds of each, the CPU seconds per
+measured step spent by each kind of process of the run (`cpu_per_step_*`: the driver, each
+role's replicas, Serve's controller, Ray's daemons, the engine, sandboxes), and the load
+average.
 
     .venv/bin/python bench/services_overhead.py [--steps 10] [--rounds 2] [--set KEY=VALUE]
 """
@@ -25,6 +28,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,75 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "examples" / "toy_tool"
 WARMUP_STEPS = 2
+
+
+def _process_kind(cmdline: list[str]) -> str:
+    """What a process of the run is, from its command line (Ray titles its workers)."""
+    if not cmdline:
+        return "other"
+    first = cmdline[0]
+    if first.startswith("ray::ServeReplica:"):
+        return "replica:" + first.split(":")[3]
+    if first.startswith("ray::"):
+        return first.split()[0][len("ray::") :]
+    if "-m" in cmdline[:-1]:
+        return cmdline[cmdline.index("-m") + 1].rsplit(".", 1)[-1]
+    name = Path(first).name
+    if name.startswith("python") and len(cmdline) > 1:
+        return Path(cmdline[1]).stem
+    return name
+
+
+class CpuSampler:
+    """CPU seconds (user + system) of this process and every descendant, by kind, sampled
+    every `period_s`; `between(t0, t1)` is what each kind spent in that wall-clock window."""
+
+    def __init__(self, period_s: float = 0.5) -> None:
+        self._period_s = period_s
+        self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> CpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self._stop.is_set():
+            seen: dict[int, tuple[str, float]] = {}
+            for process in [me, *me.children(recursive=True)]:
+                try:
+                    with process.oneshot():
+                        times = process.cpu_times()
+                        kind = (
+                            "driver" if process.pid == me.pid else _process_kind(process.cmdline())
+                        )
+                        seen[process.pid] = (kind, times.user + times.system)
+                except psutil.Error:
+                    continue
+            self._samples.append((time.time(), seen))
+            self._stop.wait(self._period_s)
+
+    def between(self, t0: float, t1: float) -> dict[str, float]:
+        """CPU seconds by kind from the first sample at or after `t0` to the last at or
+        before `t1` (a process born in between counts from its start)."""
+        inside = [sample for sample in self._samples if t0 <= sample[0] <= t1]
+        if len(inside) < 2:
+            return {}
+        (_, first), (_, last) = inside[0], inside[-1]
+        spent: dict[str, float] = {}
+        for pid, (kind, total) in last.items():
+            before = first.get(pid)
+            start = before[1] if before is not None and before[0] == kind else 0.0
+            spent[kind] = spent.get(kind, 0.0) + max(total - start, 0.0)
+        return spent
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -91,14 +164,19 @@ def main() -> None:
     phases: dict[str, dict[str, list[float]]] = {
         mode: {"rollout": [], "train": []} for mode in ("in_process", "services")
     }
-    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
+    cpu: dict[str, dict[str, float]] = {"in_process": {}, "services": {}}
+    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch, CpuSampler() as sampler:
         root = Path(scratch)
         model = warm_start(root / "model")
         for round_ in range(args.rounds):
             for mode in ("in_process", "services"):
                 extra = args.set if mode == "services" else []
                 result = train_once(model, root / f"{mode}-{round_}", mode, args.steps, extra)
-                kept = result["metrics"][WARMUP_STEPS:]
+                metrics = result["metrics"]
+                window = sampler.between(metrics[WARMUP_STEPS - 1]["time"], metrics[-1]["time"])
+                for kind, seconds in window.items():
+                    cpu[mode][kind] = cpu[mode].get(kind, 0.0) + seconds
+                kept = metrics[WARMUP_STEPS:]
                 steps[mode] += [m["perf/step_seconds"] for m in kept]
                 episodes[mode] += [m["episodes/count"] / m["perf/step_seconds"] for m in kept]
                 startup[mode].append(result["startup_s"])
@@ -119,6 +197,14 @@ def main() -> None:
                     f"{phase}_seconds_{mode}": round(statistics.median(values), 3)
                     for mode, by_phase in phases.items()
                     for phase, values in by_phase.items()
+                },
+                **{
+                    f"cpu_per_step_{mode}": {
+                        kind: round(seconds / len(steps[mode]), 3)
+                        for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1])
+                        if seconds / len(steps[mode]) >= 0.01
+                    }
+                    for mode, by_kind in cpu.items()
                 },
                 "startup_s_services": round(statistics.median(startup["services"]), 1),
                 "startup_s_in_process": round(statistics.median(startup["in_process"]), 1),

@@ -19,13 +19,25 @@ class SandboxError(OmniloopError):
     """The sandbox infrastructure failed (not the command inside it)."""
 
 
-class SandboxLost(SandboxError):
+class RoleLost(OmniloopError):
+    """A replica of another role died, and with it the caller's work, through no fault of the
+    work, which can be run again from the start (`faults.Retry` re-runs it and files the fault
+    under `failed_role`)."""
+
+    failed_role = ""
+    """The role whose failure this is."""
+
+    def __init__(self, message: str, failed_role: str | None = None) -> None:
+        super().__init__(message)
+        if failed_role is not None:
+            self.failed_role = failed_role
+
+
+class SandboxLost(SandboxError, RoleLost):
     """The sandbox service holding a sandbox is gone (unreachable, or restarted and no longer
-    knows the sandbox): the sandbox and what ran in it are lost, through no fault of the work,
-    which can be run again from the start."""
+    knows the sandbox): the sandbox and what ran in it are lost."""
 
     failed_role = "sandbox"
-    """The role whose failure this is (`faults.Retry` files the fault under it)."""
 
 
 class EngineError(OmniloopError):

@@ -52,6 +52,9 @@ class ErrorInfo(BaseModel):
     """The exception class name, e.g. `SandboxError`; dashboards filter on it."""
     message: str
     """The exception message."""
+    failed_role: str | None = None
+    """Set when the error is a `RoleLost`: the role whose replica died with the episode's work
+    (`sandbox`…). Such an episode is run again instead of being recorded."""
 
 
 class ToolCallRecord(BaseModel):

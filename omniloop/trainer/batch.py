@@ -155,6 +155,23 @@ class TrainBatch:
         )
 
     @classmethod
+    def for_scoring(
+        cls, sequences: Sequence[Sequence[int] | Tensor], *, pad_id: int = 0
+    ) -> TrainBatch:
+        """Token sequences, right-padded, with nothing to train (zero loss mask, advantages
+        and logprobs): all that scoring them (`logprobs`, a reference's) reads."""
+        if not sequences:
+            raise ValueError("a batch needs at least one row")
+        length = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), length), dtype=torch.long)
+        for b, sequence in enumerate(sequences):
+            ids[b, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
+            attention[b, : len(sequence)] = 1
+        zeros = torch.zeros(ids.shape)
+        return cls(ids, attention, zeros, zeros, zeros)
+
+    @classmethod
     def from_trajectories(
         cls,
         trajectories: Sequence[Trajectory],

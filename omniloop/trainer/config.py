@@ -109,8 +109,8 @@ class TrainerConfig(StrictModel):
     of the (tokens × vocabulary) logits never exists all at once."""
     reference: Literal["copy", "external"] = "copy"
     """Where KL reference logprobs come from when `loss.kl_coef > 0`: `copy` keeps a frozen copy of
-    the initial policy in this process; `external` requires `ref_logprobs` on every batch (a
-    reference service computes them)."""
+    the initial policy beside the trainer's; `external` requires `ref_logprobs` on every batch,
+    which in a run the `reference` role computes (a process of its own in services mode)."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """The training objective."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)

@@ -79,7 +79,50 @@ def shifted_entropy(
     return torch.where(attention_mask != 0, aligned, 0.0)
 
 
-def _default_device() -> torch.device:
+class Scorer:
+    """Forward passes under a trainer config: autocast per `dtype`, logprobs scored in
+    micro-batches of `micro_batch_size` (the policy's and the reference's alike)."""
+
+    def __init__(self, config: TrainerConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.config.dtype == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def logits(self, model: nn.Module, batch: TrainBatch) -> Tensor:
+        """`(B, T, V)` logits of `model` for `batch` (on the batch's device)."""
+        with self._autocast():
+            out = model(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            )
+        logits: Tensor = out.logits
+        return logits
+
+    @torch.no_grad()
+    def score(self, model: nn.Module, batch: TrainBatch) -> Tensor:
+        """Per-token logprobs of `batch` under `model`: `(B, T)` fp32 on the CPU, no gradient."""
+        was_training = model.training
+        model.eval()
+        try:
+            out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+            start = 0
+            for mb in batch.split(self.config.micro_batch_size):
+                mb = mb.to(self.device)
+                logits = self.logits(model, mb)
+                lp = shifted_logprobs(
+                    logits, mb.input_ids, mb.attention_mask, self.config.logits_chunk_size
+                )
+                out[start : start + len(mb), : lp.shape[1]] = lp.cpu()
+                start += len(mb)
+            return out
+        finally:
+            model.train(was_training)
+
+
+def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -95,7 +138,7 @@ class TorchTrainerBackend:
 
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(str(model))
-        self.device = torch.device(self.config.device) if self.config.device else _default_device()
+        self.device = torch.device(self.config.device) if self.config.device else default_device()
         hf_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
         if self.config.gradient_checkpointing:
             hf_model.activation_checkpointing_enable({"use_reentrant": False})
@@ -117,44 +160,11 @@ class TorchTrainerBackend:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
         )
         self.version = 0
-
-    # -- forward passes ------------------------------------------------------------------------
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.config.dtype == "bf16":
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _logits(self, model: nn.Module, batch: TrainBatch) -> Tensor:
-        with self._autocast():
-            out = model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            )
-        logits: Tensor = out.logits
-        return logits
-
-    @torch.no_grad()
-    def _score(self, model: nn.Module, batch: TrainBatch) -> Tensor:
-        was_training = model.training
-        model.eval()
-        try:
-            out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-            start = 0
-            for mb in batch.split(self.config.micro_batch_size):
-                mb = mb.to(self.device)
-                logits = self._logits(model, mb)
-                lp = shifted_logprobs(
-                    logits, mb.input_ids, mb.attention_mask, self.config.logits_chunk_size
-                )
-                out[start : start + len(mb), : lp.shape[1]] = lp.cpu()
-                start += len(mb)
-            return out
-        finally:
-            model.train(was_training)
+        self.scorer = Scorer(self.config, self.device)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:
         """Per-token logprobs under the current policy: `(B, T)` fp32 on the CPU, no gradient."""
-        return self._score(self.model, batch)
+        return self.scorer.score(self.model, batch)
 
     def ref_logprobs(self, batch: TrainBatch) -> Tensor:
         """Per-token logprobs under the frozen reference (the initial policy); `(B, T)` fp32 CPU."""
@@ -163,7 +173,7 @@ class TorchTrainerBackend:
                 "this backend keeps no reference model (loss.kl_coef is 0 or reference is "
                 "'external')"
             )
-        return self._score(self.reference, batch)
+        return self.scorer.score(self.reference, batch)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -197,12 +207,12 @@ class TorchTrainerBackend:
             ref = mb.ref_logprobs
             if ref is None and self.reference is not None and cfg.loss.kl_coef > 0:
                 with torch.no_grad():
-                    ref_logits = self._logits(self.reference, mb)
+                    ref_logits = self.scorer.logits(self.reference, mb)
                     ref = shifted_logprobs(
                         ref_logits, mb.input_ids, mb.attention_mask, cfg.logits_chunk_size
                     )
                     del ref_logits
-            logits = self._logits(self.model, mb)
+            logits = self.scorer.logits(self.model, mb)
             lp = shifted_logprobs(logits, mb.input_ids, mb.attention_mask, cfg.logits_chunk_size)
             if cfg.loss.entropy_coef > 0:
                 entropy = shifted_entropy(logits, mb.attention_mask, cfg.logits_chunk_size)

@@ -5,7 +5,7 @@ do and in which order, and records what they report:
 
     for each step k:
         rollout(k) and advantages(k)   started as soon as the staleness gate allows k,
-                                       i.e. k - steps_trained <= max_staleness
+        (and reference(k))             i.e. k - steps_trained <= max_staleness
         train(k)                       streams step k's micro-batches from the data plane
         sync(version)                  every engine serves the new weights...
         gate.advance(k + 1)            ...before any rollout that the advance releases starts
@@ -155,6 +155,14 @@ class Advantage(Protocol):
         ...
 
 
+class Reference(Protocol):
+    """Scores a step's rows under the frozen reference policy (for the KL penalty)."""
+
+    async def compute(self, step: int) -> dict[str, float]:
+        """Write `ref_logprobs` for every row of `step` as it arrives; return metrics."""
+        ...
+
+
 class Actor(Protocol):
     """The trainer: consumes a step's rows from the data plane exactly once."""
 
@@ -200,6 +208,8 @@ class Roles:
     sync: Weights
     monitor: HealthMonitor | None = None
     """Watches the roles' services while the loop runs (None for roles in this process)."""
+    reference: Reference | None = None
+    """Scores the KL reference when a role does (`trainer.reference=external`)."""
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -211,10 +221,11 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
 
     async def produce(step: int) -> tuple[RolloutReport, dict[str, float]]:
         await gate.wait(step)  # until step - steps_trained <= max_staleness
-        rollout, advantages = await _together(
-            roles.rollout.generate(step), roles.advantage.compute(step)
-        )
-        return rollout, advantages
+        stages = [roles.advantage.compute(step)]
+        if roles.reference is not None:
+            stages.append(roles.reference.compute(step))
+        rollout, *stage_metrics = await _together(roles.rollout.generate(step), *stages)
+        return rollout, {key: v for metrics in stage_metrics for key, v in metrics.items()}
 
     production = {k: asyncio.create_task(produce(k)) for k in range(start, config.steps)}
     last = time.perf_counter()
@@ -276,12 +287,11 @@ def _infra_cause(rollout: RolloutReport, bound: float) -> str:
     )
 
 
-async def _together(first: Awaitable[Any], second: Awaitable[Any]) -> tuple[Any, Any]:
-    """Await both; if one fails, cancel the other (no orphan keeps reading a dead step)."""
-    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+async def _together(*calls: Awaitable[Any]) -> list[Any]:
+    """Await all; if one fails, cancel the others (no orphan keeps reading a dead step)."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
     try:
-        a, b = await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
-    return a, b

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from omniloop.agents.base import Agent, EpisodeEnd, Session, Task
 from omniloop.agents.chat import ChatFormat
-from omniloop.errors import EngineError, RewardError, SandboxError
+from omniloop.errors import EngineError, RewardError, RoleLost, SandboxError
 from omniloop.inference.base import Engine, SamplingParams
 from omniloop.rewards import RewardFn, score
 from omniloop.sandboxes.base import ExecResult, Sandbox
@@ -95,7 +95,8 @@ class EpisodeCancelled(asyncio.CancelledError):
 
 
 def _error(err: BaseException) -> ErrorInfo:
-    return ErrorInfo(type=type(err).__name__, message=str(err)[:2000])
+    lost_to = err.failed_role if isinstance(err, RoleLost) else None
+    return ErrorInfo(type=type(err).__name__, message=str(err)[:2000], failed_role=lost_to)
 
 
 async def run_episode(

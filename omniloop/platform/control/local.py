@@ -10,7 +10,10 @@ service would have) and answers the controller's directives:
   the step's record, and every later stage recognises it by `meta.stop_reason`.
 - `LocalAdvantage.compute(k)`: reads rewards as they arrive and, for each complete GRPO group,
   writes the `advantages` field (group-normalised or leave-one-out, per token).
-- `LocalActor.train(k)`: streams the step's micro-batches as they become ready, drops
+- `LocalReference.compute(k)` (with `trainer.reference=external`): writes `ref_logprobs` for
+  every row under the frozen base model, micro-batch by micro-batch as rows arrive.
+- `LocalActor.train(k)`: streams the step's micro-batches as they become ready (with their
+  `ref_logprobs` too when the reference role computes them), drops
   infrastructure failures and samples past the staleness bound (counted), and takes one
   optimizer step on the rest. Exactly-once: the data plane never hands an id to the actor twice,
   and the ids it handed out are part of the actor's checkpoint.
@@ -38,7 +41,7 @@ import torch
 
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
-from omniloop.errors import SandboxLost
+from omniloop.errors import RoleLost
 from omniloop.inference.base import Engine
 from omniloop.platform.control.components import episode_plan
 from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
@@ -52,6 +55,7 @@ from omniloop.rewards import RewardFn
 from omniloop.trainer.backend import TrainerBackend
 from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
 from omniloop.trainer.config import AdvantageConfig
+from omniloop.trainer.reference import ReferencePolicy
 from omniloop.trainer.weight_sync import WeightSync, WeightSyncError
 from omniloop.trajectory import INFRA_STOP_REASONS
 
@@ -72,7 +76,43 @@ TRAIN_FIELDS = (
     "advantages",
     "meta",
 )
-"""What the actor reads: a row is ready for training once its advantages are written."""
+"""What the actor reads: a row is ready for training once its advantages are written (and its
+`ref_logprobs`, when the reference role writes them: `train_fields`)."""
+REFERENCE_FIELDS = ("input_ids", "meta")
+"""What the reference stage reads."""
+
+
+def uses_reference_role(config: RunConfig) -> bool:
+    """Whether the run's KL reference is scored by a `reference` role (else there is none, or
+    the actor's backend keeps a frozen copy of its own)."""
+    return config.trainer.loss.kl_coef > 0 and config.trainer.reference == "external"
+
+
+def train_fields(config: RunConfig) -> tuple[str, ...]:
+    """The fields the actor of `config`'s run waits for."""
+    return (*TRAIN_FIELDS, "ref_logprobs") if uses_reference_role(config) else TRAIN_FIELDS
+
+
+class TorchThread:
+    """One thread of its own for a role's torch work. OpenMP's thread count is a setting of
+    the thread that makes it, so `trainer_threads` holds only in the thread it was set in."""
+
+    def __init__(self, threads: int | None, name: str) -> None:
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=name,
+            initializer=_set_torch_threads,
+            initargs=(threads,),
+        )
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in the thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        """Let the thread end (after the work it has)."""
+        self._executor.shutdown(wait=False)
+
 
 EpisodeCallback = Callable[[int, int], None]
 """`(step, episodes)`: called when a step starts (with its episode count) and per episode."""
@@ -110,8 +150,9 @@ class EpisodeRunner:
     fields and reward to partition `step`, appends it to `trajectories/step_{step}.jsonl` and
     records it in the run store. Writes are keyed by trajectory id, which the attempt does not
     change, so an episode re-run after a failure replaces its earlier row. An episode whose
-    sandbox was lost with its sandbox replica (`SandboxLost`) is not written: `run` raises, and
-    the caller runs it again.
+    work died with a replica of another role (its sandbox with the sandbox replica: the
+    error's `failed_role`) is not written: `run` raises `RoleLost`, and the caller runs it
+    again.
     """
 
     def __init__(
@@ -164,8 +205,8 @@ class EpisodeRunner:
                 settings=settings,
             )
         error = trajectory.meta.error
-        if error is not None and error.type == SandboxLost.__name__:
-            raise SandboxLost(f"step {step} episode {index}: {error.message}")
+        if error is not None and error.failed_role is not None:
+            raise RoleLost(f"step {step} episode {index}: {error.message}", error.failed_role)
         await self._data.put_rollout(step, [trajectory])
         failed = trajectory.is_infra_failure or trajectory.reward is None
         reward = math.nan if failed else trajectory.reward
@@ -308,8 +349,67 @@ class GroupMember:
     loss_mask: torch.Tensor
 
 
+class LocalReference:
+    """The reference stage in this process: `ref_logprobs` for every row of a step.
+
+    Rows are scored a micro-batch at a time as they arrive, in a torch thread of the stage's
+    own. Infrastructure failures, which are never trained, get zeros without a forward pass.
+    """
+
+    def __init__(
+        self,
+        data: DataPlane,
+        policy: ReferencePolicy,
+        micro_batch_size: int,
+        read_timeout: float,
+        threads: int | None,
+    ) -> None:
+        self._data = data
+        self._policy = policy
+        self._micro_batch_size = micro_batch_size
+        self._read_timeout = read_timeout
+        self._thread = TorchThread(threads, "reference")
+
+    def close(self) -> None:
+        """Let the stage's thread end."""
+        self._thread.close()
+
+    async def compute(self, step: int) -> dict[str, float]:
+        """Write `ref_logprobs` for every row of step `step`; return `reference/*` metrics."""
+        # Every row, as for the advantages: a replacement replica scores the step whole.
+        await self._data.reread(step, "reference")
+        scored = 0
+        busy = 0.0
+        stream = self._data.iter_micro_batches(
+            step,
+            REFERENCE_FIELDS,
+            self._micro_batch_size,
+            "reference",
+            timeout_s=self._read_timeout,
+        )
+        async with _closing(stream) as batches:
+            async for batch in batches:
+                sequences: list[torch.Tensor] = batch["input_ids"]
+                values = [torch.zeros(len(ids)) for ids in sequences]
+                trained = [
+                    i
+                    for i, meta in enumerate(batch["meta"])
+                    if meta["stop_reason"] not in INFRA_STOP_REASONS
+                ]
+                if trained:
+                    started = time.perf_counter()
+                    to_score = TrainBatch.for_scoring([sequences[i] for i in trained])
+                    logprobs = await self._thread.run(self._policy.logprobs, to_score)
+                    busy += time.perf_counter() - started
+                    for row, i in enumerate(trained):
+                        values[i] = logprobs[row, : len(sequences[i])]
+                    scored += len(trained)
+                await self._data.put_field(step, batch.ids, "ref_logprobs", values)
+        return {"reference/rows": float(scored), "perf/reference_seconds": busy}
+
+
 def train_rows(batch: MicroBatch) -> list[TrainRow]:
-    """The rows of a micro-batch read with `TRAIN_FIELDS`, typed; PPO's pi_old is the policy
+    """The rows of a micro-batch read with `train_fields`, typed; PPO's pi_old is the policy
     that sampled each row (its rollout logprobs)."""
     return [
         TrainRow(
@@ -321,6 +421,7 @@ def train_rows(batch: MicroBatch) -> list[TrainRow]:
             advantages=batch["advantages"][i],
             stop_reason=str(batch["meta"][i]["stop_reason"]),
             old_logprobs=batch["rollout_logprobs"][i],
+            ref_logprobs=batch["ref_logprobs"][i] if "ref_logprobs" in batch.fields else None,
         )
         for i in range(len(batch))
     ]
@@ -356,21 +457,13 @@ class LocalActor:
         # rollout logprobs) and counted; any other sample newer than the trainer is a bug.
         self._restored_from: int | None = None
         self._from_lost_weights = 0
-        # The backend's work runs in one thread of its own: OpenMP's thread count is a setting
-        # of the thread that makes it, so `trainer_threads` holds only where it was set.
-        self._compute = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="trainer",
-            initializer=_set_torch_threads,
-            initargs=(config.trainer_threads,),
-        )
-
-    async def _in_trainer_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        # The backend's work runs in one thread of its own, set to `trainer_threads`.
+        self._compute = TorchThread(config.trainer_threads, "trainer")
+        self._fields = train_fields(config)
 
     def close(self) -> None:
         """Let the trainer's thread end (after the work it has)."""
-        self._compute.shutdown(wait=False)
+        self._compute.close()
 
     @property
     def version(self) -> int:
@@ -385,7 +478,7 @@ class LocalActor:
         trained: list[tuple[str, int]] = []
         excluded = 0
         stream = self._data.iter_micro_batches(
-            step, TRAIN_FIELDS, self._micro_batch_size, "actor", timeout_s=self._read_timeout
+            step, self._fields, self._micro_batch_size, "actor", timeout_s=self._read_timeout
         )
         async with _closing(stream) as batches:
             async for batch in batches:
@@ -408,7 +501,7 @@ class LocalActor:
             # on-policy, unclipped).
             batch_ = TrainBatch.from_rows(kept)
             async with self._lock:
-                raw = await self._in_trainer_thread(self._backend.train_step, batch_)
+                raw = await self._compute.run(self._backend.train_step, batch_)
             # The backend's own timing keys describe the optimizer step alone.
             renames = {
                 "perf/step_seconds": "perf/train_seconds",
@@ -455,7 +548,7 @@ class LocalActor:
                 "python": _python_rng_state(),
             },
         }
-        await self._in_trainer_thread(self._backend.save, path, position)
+        await self._compute.run(self._backend.save, path, position)
 
     async def recover(self, checkpoint: Path | None) -> int:
         """An actor in this process keeps its state as long as the run: only its checkpoint
@@ -466,7 +559,7 @@ class LocalActor:
 
     async def load(self, path: Path) -> int:
         """Restore a `save` checkpoint; returns the step to continue from."""
-        position = await self._in_trainer_thread(self._backend.load, path)
+        position = await self._compute.run(self._backend.load, path)
         self._data.restore_consumed(position["consumed"])
         state = base64.b64decode(position["rng"]["torch"])
         torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))

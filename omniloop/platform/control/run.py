@@ -240,8 +240,14 @@ async def local_roles(
 ) -> AsyncIterator[Roles]:
     """The roles in this process (`services.mode=in_process`), each with its own data-plane
     client as a service would have; the actor reads through `plane`."""
-    from omniloop.platform.control.local import LocalAdvantage, StepRollout
+    from omniloop.platform.control.local import (
+        LocalAdvantage,
+        LocalReference,
+        StepRollout,
+        uses_reference_role,
+    )
     from omniloop.platform.data import DataPlane
+    from omniloop.trainer.reference import TorchReference
 
     async with contextlib.AsyncExitStack() as stack:
         actor, weights = await stack.enter_async_context(actor_roles(config, [url], plane))
@@ -267,7 +273,20 @@ async def local_roles(
             config.rollout.samples_per_task,
             config.data_plane.read_timeout,
         )
-        yield Roles(rollout, advantage, actor, weights)
+        reference = None
+        if uses_reference_role(config):
+            reference_data = DataPlane.start()
+            stack.callback(reference_data.close)
+            policy = await asyncio.to_thread(TorchReference, config.model, config.trainer)
+            reference = LocalReference(
+                reference_data,
+                policy,
+                config.trainer.micro_batch_size,
+                config.data_plane.read_timeout,
+                config.trainer_threads,
+            )
+            stack.callback(reference.close)
+        yield Roles(rollout, advantage, actor, weights, reference=reference)
 
 
 def with_run_id(config: RunConfig, *, resume: bool) -> RunConfig:

@@ -93,7 +93,7 @@ class ServicesConfig(StrictModel):
     max_failed_polls: int = Field(default=30, ge=1)
     """Consecutive polls Ray Serve may fail to answer before the run fails."""
     placement: dict[
-        Literal["actor", "engine", "reward", "rollout", "advantage", "sandbox", "api"],
+        Literal["actor", "engine", "reward", "rollout", "advantage", "reference", "sandbox", "api"],
         RolePlacement,
     ] = Field(default_factory=dict)
     """Per role, the resources its replicas ask Ray for (default: none beyond the node's)."""

@@ -104,12 +104,16 @@ class SandboxServer:
 class ServiceSandboxes:
     """The `SandboxProvider` of a rollout replica: sandboxes from the sandbox role.
 
-    `acquire` asks the deployment for a live replica's endpoint and creates the sandbox there,
-    waiting up to `wait_s` while no replica answers (one is being replaced). `release` removes
-    the sandbox (the replica's warm pool refills). One HTTP client per replica endpoint is
-    kept; one that reported its replica lost is no longer handed out (sandboxes still holding
-    it fail with `SandboxLost` too) and is closed with the provider.
+    `acquire` creates the sandbox at a live replica's endpoint, which it asks the deployment
+    for at most every `ENDPOINT_REUSE_S` (a step's burst of episodes costs one Serve call, and
+    sandboxes still spread over the replicas), waiting up to `wait_s` while no replica answers
+    (one is being replaced). `release` removes the sandbox (the replica's warm pool refills).
+    One HTTP client per replica endpoint is kept; one that reported its replica lost is no
+    longer handed out (sandboxes still holding it fail with `SandboxLost` too) and is closed
+    with the provider.
     """
+
+    ENDPOINT_REUSE_S = 2.0
 
     def __init__(self, handle: DeploymentHandle, config: SandboxConfig, wait_s: float) -> None:
         self._handle = handle
@@ -117,6 +121,8 @@ class ServiceSandboxes:
         self._wait_s = wait_s
         self._clients: dict[str, SandboxClient] = {}
         self._retired: list[SandboxClient] = []
+        self._latest: tuple[SandboxClient, float] | None = None
+        """The client of the endpoint the deployment named last, and when (monotonic)."""
 
     async def acquire(self) -> Sandbox:
         deadline = time.monotonic() + self._wait_s
@@ -147,14 +153,18 @@ class ServiceSandboxes:
         await sandbox.close()
 
     async def _client(self, timeout: float) -> SandboxClient:
+        if self._latest is not None and time.monotonic() - self._latest[1] < self.ENDPOINT_REUSE_S:
+            return self._latest[0]
         endpoint = self._handle.endpoint.remote()
         url, token = await asyncio.wait_for(_awaited(endpoint), timeout)
-        client = self._clients.get(url)
-        if client is None:
-            client = self._clients[url] = SandboxClient(url, token=token)
+        client = self._clients.get(url) or SandboxClient(url, token=token)
+        self._clients[url] = client
+        self._latest = (client, time.monotonic())
         return client
 
     def _forget(self, client: SandboxClient) -> None:
+        if self._latest is not None and self._latest[0] is client:
+            self._latest = None
         if self._clients.get(client.base_url) is client:
             del self._clients[client.base_url]
             self._retired.append(client)

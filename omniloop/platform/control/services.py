@@ -17,6 +17,8 @@ reached by the controller only through a `DeploymentHandle` behind the protocols
   `ServiceEngine`, sandboxes through `ServiceSandboxes` and rewards through `RemoteReward`s,
   and runs up to its share of `rollout.concurrency` episodes at once (`max_ongoing_requests`).
 - `advantage` (`AdvantageServer`): one request per step, which reads the step whole.
+- `reference` (`ReferenceServer`, only with `trainer.reference=external` and a KL penalty):
+  the frozen base model; one request per step, which writes the step's `ref_logprobs`.
 - `api` (`api_service.ApiServer`, with `services.api`): the REST API and dashboard over the
   run's store, behind Serve's HTTP proxy (deployed first: it needs none of the others).
 
@@ -27,9 +29,6 @@ advantages are computed again (`faults.Retry`); an engine's episodes wait for it
 replacement; a lost actor is restored from the newest checkpoint by the controller
 (`ActorLost`, `train_loop`). A full queue refuses
 calls (`BackPressureError`), which the controller waits out and retries; nothing is dropped.
-
-Not covered yet: a reference model for KL lives in the actor's backend, not in a role of its
-own.
 """
 
 from __future__ import annotations
@@ -63,7 +62,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle
 
-from omniloop.errors import SandboxLost
+from omniloop.errors import RoleLost
 from omniloop.platform.control.api_service import ApiServer
 from omniloop.platform.control.console import console
 from omniloop.platform.control.controller import (
@@ -75,7 +74,7 @@ from omniloop.platform.control.controller import (
 from omniloop.platform.control.engine_service import EngineServer
 from omniloop.platform.control.faults import Failure, FaultTimeline, Retry
 from omniloop.platform.control.health import HealthMonitor
-from omniloop.platform.control.local import StepRollout
+from omniloop.platform.control.local import StepRollout, uses_reference_role
 from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.sandbox_service import SandboxServer
@@ -91,10 +90,10 @@ replica still writes its own log file under the Ray session's `logs/serve/`."""
 
 def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
     """A Serve call's failure as the role's (`busy`: refused; `lost`: its replica is gone, or
-    the sandbox replica an episode was using is: `SandboxLost`, raised by the rollout)."""
+    a replica of a role the work used is: `RoleLost`, such as the rollout's `SandboxLost`)."""
     if isinstance(err, BackPressureError):
         return "busy", ""
-    if isinstance(err, SandboxLost):
+    if isinstance(err, RoleLost):
         return "lost", ""
     if isinstance(
         err, ActorDiedError | ActorUnavailableError | RayActorError | ActorUnschedulableError
@@ -113,6 +112,14 @@ def enter_run_folder(cwd: str, paths: list[str]) -> None:
     for entry in reversed(paths):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+
+
+def _check_data_plane() -> None:
+    """What every role that reads or writes rows needs: the data plane's controller."""
+    from omniloop.platform.data.tq import queue_running
+
+    if not queue_running():
+        raise RuntimeError("the data plane's controller is not running")
 
 
 class RolloutServer:
@@ -150,10 +157,7 @@ class RolloutServer:
     async def check_health(self) -> None:
         # The engine's health is the engine role's: a dead engine must not take the rollout
         # replicas down with it (their episodes wait for the engine's replacement).
-        from omniloop.platform.data.tq import queue_running
-
-        if not queue_running():
-            raise RuntimeError("the data plane's controller is not running")
+        _check_data_plane()
 
     async def __del__(self) -> None:
         await self._stack.aclose()
@@ -181,10 +185,34 @@ class AdvantageServer:
         return await self._advantage.compute(step)
 
     async def check_health(self) -> None:
-        from omniloop.platform.data.tq import queue_running
+        _check_data_plane()
 
-        if not queue_running():
-            raise RuntimeError("the data plane's controller is not running")
+
+class ReferenceServer:
+    """The reference replica: the frozen base model, scoring a step's rows on request."""
+
+    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+        enter_run_folder(cwd, paths)
+        from omniloop.platform.control.local import LocalReference
+        from omniloop.platform.data import DataPlane
+        from omniloop.trainer.reference import TorchReference
+
+        self._data = DataPlane.start()
+        policy = await asyncio.to_thread(TorchReference, config.model, config.trainer)
+        # Each `compute` reads its step whole, like the advantage stage's.
+        self._reference = LocalReference(
+            self._data,
+            policy,
+            config.trainer.micro_batch_size,
+            config.data_plane.read_timeout,
+            config.trainer_threads,
+        )
+
+    async def compute(self, step: int) -> dict[str, float]:
+        return await self._reference.compute(step)
+
+    async def check_health(self) -> None:
+        _check_data_plane()
 
 
 class ActorServer:
@@ -238,10 +266,7 @@ class ActorServer:
         await self._weights.attach(url, served_version=served_version)
 
     async def check_health(self) -> None:
-        from omniloop.platform.data.tq import queue_running
-
-        if not queue_running():
-            raise RuntimeError("the data plane's controller is not running")
+        _check_data_plane()
 
     async def __del__(self) -> None:
         await self._stack.aclose()
@@ -250,18 +275,20 @@ class ActorServer:
 # -- the controller's side ----------------------------------------------------------------------
 
 
-class ServiceAdvantage:
-    """`Advantage` over the advantage deployment; a step lost with its replica is redone."""
+class ServiceStage:
+    """`Advantage` or `Reference` over the deployment of `role` (a stage that computes a
+    step's field on request); a step lost with its replica is redone."""
 
-    def __init__(self, handle: DeploymentHandle, retry: Retry) -> None:
+    def __init__(self, role: str, handle: DeploymentHandle, retry: Retry) -> None:
+        self._role = role
         self._handle = handle
         self._retry = retry
 
     async def compute(self, step: int) -> dict[str, float]:
         result: dict[str, float] = await self._retry.call(
-            "advantage",
+            self._role,
             lambda _: self._handle.compute.remote(step),
-            what=f"step {step} advantages",
+            what=f"step {step}'s {self._role}",
         )
         return result
 
@@ -388,6 +415,10 @@ async def service_roles(
     advantage_app = serve.deployment(
         name="advantage", num_replicas=1, max_ongoing_requests=64, **placed("advantage")
     )(AdvantageServer).bind(config, cwd, paths)
+    with_reference = uses_reference_role(config)
+    reference_app = serve.deployment(
+        name="reference", num_replicas=1, max_ongoing_requests=64, **placed("reference")
+    )(ReferenceServer).bind(config, cwd, paths)
     reward_app = serve.deployment(
         name="reward",
         num_replicas=settings.reward_replicas,
@@ -419,7 +450,7 @@ async def service_roles(
         name="api", num_replicas=1, max_ongoing_requests=256, **placed("api")
     )(serve.ingress()(ApiServer)).bind(config, os.environ.get("OMNILOOP_API_TOKEN"))
 
-    def deploy() -> tuple[DeploymentHandle, DeploymentHandle, DeploymentHandle]:
+    def deploy() -> tuple[DeploymentHandle, ...]:
         # The driver's Serve logger says "Application ... is ready" and the like at INFO.
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         _forget_serve_client()
@@ -436,6 +467,10 @@ async def service_roles(
         serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(reward_app, name="reward", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(sandbox_app, name="sandbox", route_prefix=None, logging_config=SERVE_LOGGING)
+        if with_reference:
+            serve.run(
+                reference_app, name="reference", route_prefix=None, logging_config=SERVE_LOGGING
+            )
         return (
             actor,
             serve.run(rollout_app, name="rollout", route_prefix=None, logging_config=SERVE_LOGGING),
@@ -473,7 +508,7 @@ async def service_roles(
                 on_start=on_start,
                 on_episode=on_episode,
             ),
-            advantage=ServiceAdvantage(advantage, retry),
+            advantage=ServiceStage("advantage", advantage, retry),
             actor=ServiceActor(actor, version, settings.engine_wait_s),
             sync=ServiceWeights(actor),
             monitor=HealthMonitor(
@@ -485,10 +520,16 @@ async def service_roles(
                     "advantage": 1,
                     "actor": 1,
                     **({"api": 1} if settings.api else {}),
+                    **({"reference": 1} if with_reference else {}),
                 },
                 timeline,
                 period_s=settings.health_poll_s,
                 max_failed_polls=settings.max_failed_polls,
+            ),
+            reference=(
+                ServiceStage("reference", serve.get_app_handle("reference"), retry)
+                if with_reference
+                else None
             ),
         )
     finally:

@@ -37,7 +37,10 @@ T = TypeVar("T")
 _KILL_BUDGET = 0.6  # seconds of retries to get a signalling process started before giving up
 _DRAIN = 0.2  # seconds to let output drain once the command has ended
 _POLLS = (0.25, 0.5, 1.0)  # when to ask Docker whether a still-streaming command is done
-_OOM_WAIT = 0.3  # seconds Docker's `oom` event may trail the command's end
+# Seconds Docker's `oom` event may trail the command's end (on a loaded host, over a second
+# under gVisor). The scan returns at the first event, so only a SIGKILL or death that was
+# not an OOM kill waits this long.
+_OOM_WAIT = 3.0
 _EXIT_WAIT = 2.0  # seconds Docker may take to record an exec's exit code after its output ends
 _SIGKILL_EXIT = 128 + 9
 _RUNSC_FAILED = 128

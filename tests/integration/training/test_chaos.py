@@ -8,7 +8,9 @@ groups arrive, the engine's replica (and so its engine) during step 4. Ray Serve
 each; the controller re-runs what was cut off (an episode whose sandbox died is run again from
 the start); episodes waiting for a sandbox or on the dead engine resume on the replacement,
 which for an engine has the current weights before it serves (a sample of older weights would
-be refused by the actor and missing from `trained.jsonl`); the actor's replica during step 7:
+be refused by the actor and missing from `trained.jsonl`); the reference replica (the run
+trains with a KL penalty scored by the `reference` role) during step 6, whose `ref_logprobs`
+the replacement writes; the actor's replica during step 7:
 only the actor restarts, from its checkpoint of step 6, while the rollout goes on, and steps 6
 and 7 are produced and trained again under the same ids.
 
@@ -49,7 +51,15 @@ STEPS = 8
 CHECKPOINT_EVERY = 3
 TASKS_PER_STEP = 4
 SAMPLES = 4
-KILLS = {"rollout": 1, "sandbox": 2, "advantage": 3, "engine": 4, "api": 5, "actor": 7}
+KILLS = {
+    "rollout": 1,
+    "sandbox": 2,
+    "advantage": 3,
+    "engine": 4,
+    "api": 5,
+    "reference": 6,
+    "actor": 7,
+}
 """Role -> the step during whose rollout one of its replicas is killed."""
 
 
@@ -125,6 +135,8 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
             "services.mode": "services",
             "services.rollout_replicas": 2,
             "services.api_port": port,
+            "trainer.loss.kl_coef": 0.05,
+            "trainer.reference": "external",
         },
     )
     chaos = ChaosRun(run_dir, [], [])
@@ -149,6 +161,14 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
 
 def test_each_role_was_killed_mid_run(chaos_run: ChaosRun) -> None:
     assert set(chaos_run.killed) == set(KILLS)
+
+
+def test_every_step_trained_with_the_reference_role_s_kl(chaos_run: ChaosRun) -> None:
+    metrics = read_jsonl(chaos_run.run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    # Step 0 trains the initial policy, which is the reference: no divergence yet.
+    assert abs(metrics[0]["actor/kl"]) < 1e-5
+    assert all(m["reference/rows"] == TASKS_PER_STEP * SAMPLES for m in metrics)
 
 
 def test_the_run_s_api_answers_again_after_its_replica_was_killed(chaos_run: ChaosRun) -> None:
