@@ -70,13 +70,19 @@ def shifted_logprobs(
     return torch.where(attention_mask != 0, aligned, 0.0)
 
 
-def shifted_entropy(
-    logits: Tensor, attention_mask: Tensor, chunk_size: int | None = None
-) -> Tensor:
-    """Entropy `(B, T)` in fp32 of the distribution each token was drawn from; 0 at position 0."""
-    per_row = entropy_from_logits(logits, chunk_size)
-    aligned = torch.nn.functional.pad(per_row[:, :-1], (1, 0))
-    return torch.where(attention_mask != 0, aligned, 0.0)
+def shifted_entropy(logits: Tensor, mask: Tensor, chunk_size: int | None = None) -> Tensor:
+    """Entropy `(B, T)` in fp32 of the distribution each token was drawn from, where `mask` is
+    nonzero (0 elsewhere, and at position 0). Only those positions are computed: over a
+    large vocabulary the entropy costs as much as the logprobs, so the trainer asks for the
+    loss-masked tokens alone, not the prompt's."""
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+    rows, positions = torch.nonzero(mask[:, 1:] != 0, as_tuple=True)
+    if rows.numel():
+        # Token i + 1 was drawn from the distribution of the logits at i.
+        out = out.index_put(
+            (rows, positions + 1), entropy_from_logits(logits[rows, positions], chunk_size)
+        )
+    return out
 
 
 class Scorer:
@@ -215,12 +221,10 @@ class TorchTrainerBackend:
             logits = self.scorer.logits(self.model, mb)
             lp = shifted_logprobs(logits, mb.input_ids, mb.attention_mask, cfg.logits_chunk_size)
             if cfg.loss.entropy_coef > 0:
-                entropy = shifted_entropy(logits, mb.attention_mask, cfg.logits_chunk_size)
+                entropy = shifted_entropy(logits, mb.loss_mask, cfg.logits_chunk_size)
             else:
                 with torch.no_grad():
-                    entropy = shifted_entropy(
-                        logits.detach(), mb.attention_mask, cfg.logits_chunk_size
-                    )
+                    entropy = shifted_entropy(logits.detach(), mb.loss_mask, cfg.logits_chunk_size)
             old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
             loss, metrics = rl_loss(
                 cfg.loss,

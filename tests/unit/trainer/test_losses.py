@@ -388,3 +388,26 @@ def test_micro_batch_losses_and_gradients_sum_to_the_full_batch(
         parts = parts + part.detach()
     torch.testing.assert_close(parts, full.detach())
     torch.testing.assert_close(split_lp.grad, full_lp.grad)
+
+
+def test_shifted_entropy_scores_only_the_masked_tokens_and_keeps_their_gradient() -> None:
+    from omniloop.trainer.torch_backend import shifted_entropy
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 7, 50, requires_grad=True)
+    mask = torch.tensor(
+        [[0, 0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]],
+        dtype=torch.float32,
+    )
+    got = shifted_entropy(logits, mask)
+    # Token i was drawn from the distribution at i - 1.
+    every = torch.nn.functional.pad(entropy_from_logits(logits)[:, :-1], (1, 0))
+    expected = torch.where(mask != 0, every, 0.0)
+    torch.testing.assert_close(got, expected)
+    got.sum().backward()
+    assert logits.grad is not None
+    seen = logits.grad.clone()
+    logits.grad = None
+    expected.sum().backward()
+    torch.testing.assert_close(seen, logits.grad)
+    assert not seen[2].any(), "a row with nothing masked was scored"
