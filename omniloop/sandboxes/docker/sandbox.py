@@ -42,6 +42,13 @@ _POLLS = (0.25, 0.5, 1.0)  # when to ask Docker whether a still-streaming comman
 # not an OOM kill waits this long.
 _OOM_WAIT = 3.0
 _EXIT_WAIT = 2.0  # seconds Docker may take to record an exec's exit code after its output ends
+# Stopping a command may take this long past its kill grace (signalling execs, each a Docker
+# round trip) before its sandbox is destroyed instead; an exec then waits at most
+# `_DESTROY_WAIT` for the removal, which goes on (`close` waits for it). A gVisor sentry at its
+# thread cap can keep a Docker call waiting for a minute or more: a command's timeout still
+# holds.
+_STOP_BUDGET = 3.0
+_DESTROY_WAIT = 2.0
 _SIGKILL_EXIT = 128 + 9
 _RUNSC_FAILED = 128
 
@@ -74,6 +81,7 @@ class DockerSandbox:
         self._closed = False
         self._dead: str | None = None
         self._close_task: asyncio.Future[None] | None = None
+        self._destroying: asyncio.Future[bool] | None = None
 
     @property
     def name(self) -> str:
@@ -256,7 +264,11 @@ class DockerSandbox:
             if now >= next_poll:
                 next_poll = now + (polls.pop(0) if polls else _POLLS[-1])
                 try:
-                    info = await self.host.call(self.host.api.exec_inspect, exec_id)
+                    # (asyncio's clock is time.monotonic's)
+                    async with asyncio.timeout_at(deadline):
+                        info = await self.host.call(self.host.api.exec_inspect, exec_id)
+                except TimeoutError:
+                    return "tool_timeout"  # Docker answered no sooner than the deadline
                 except NotFound:
                     # The container is gone (auto-removed after its init died).
                     return None
@@ -283,18 +295,28 @@ class DockerSandbox:
         """SIGTERM every process of the sandbox user, SIGKILL what is left after the grace. When
         no signal can be delivered (no process can be started to send it), the sandbox is
         destroyed instead: nothing of the command may outlive its timeout."""
-        if await self.signal_all("TERM"):
-            await asyncio.wait({pump}, timeout=self.config.limits.kill_grace)
-            if await self.signal_all("KILL"):
-                await asyncio.wait({pump}, timeout=_DRAIN)
-                return
+        reason = "its processes could not be stopped (process limit exhausted)"
+        try:
+            async with asyncio.timeout(self.config.limits.kill_grace + _STOP_BUDGET):
+                if await self.signal_all("TERM"):
+                    await asyncio.wait({pump}, timeout=self.config.limits.kill_grace)
+                    if await self.signal_all("KILL"):
+                        await asyncio.wait({pump}, timeout=_DRAIN)
+                        return
+        except TimeoutError:
+            reason = f"its processes were not stopped within {_STOP_BUDGET:g}s past the grace"
         if self._dead is None and not self._closed:
-            await self._destroy("its processes could not be stopped (process limit exhausted)")
+            await self._destroy(reason)
 
     async def _destroy(self, reason: str) -> None:
+        """Mark the sandbox dead and remove its container, waiting up to `_DESTROY_WAIT` for
+        the removal (which goes on; `close` waits for it)."""
         self._dead = reason
         logger.warning("sandbox %s destroyed: %s", self.id, reason)
-        await remove_resources(self.host, [self.container_id], [])
+        self._destroying = asyncio.ensure_future(
+            remove_resources(self.host, [self.container_id], [])
+        )
+        await asyncio.wait({self._destroying}, timeout=_DESTROY_WAIT)
 
     async def signal_all(self, signal: Literal["TERM", "KILL"] = "KILL") -> bool:
         """Send `signal` to every process of the sandbox user (the init is another uid and is
@@ -442,6 +464,8 @@ class DockerSandbox:
     async def _teardown(self) -> None:
         names = [self.name, *self._extra_containers, *self._networks]
         try:
+            if self._destroying is not None:
+                await self._destroying
             await remove_resources(
                 self.host, [self.container_id, *self._extra_containers], self._networks
             )
