@@ -67,7 +67,7 @@ What is covered
   children), they are stopped the same way and the command's own exit status is returned;
   processes that redirected their output (`cmd >log 2>&1 &`) run on until a timeout or `close`.
   When no signalling exec can start (the bomb holds every process slot) or stopping takes more
-  than 3 s past the grace (a gVisor sentry at its thread cap can keep a Docker call waiting
+  than 10 s past the grace (a gVisor sentry at its thread cap can keep a Docker call waiting
   for a minute or more), the sandbox is destroyed instead; the command returns at most 2 s
   later while Docker's removal goes on, and `close` waits for that removal.
 - Output: stdout and stderr are read frame by frame (at most 64 KiB at a time) into

@@ -42,12 +42,12 @@ _POLLS = (0.25, 0.5, 1.0)  # when to ask Docker whether a still-streaming comman
 # not an OOM kill waits this long.
 _OOM_WAIT = 3.0
 _EXIT_WAIT = 2.0  # seconds Docker may take to record an exec's exit code after its output ends
-# Stopping a command may take this long past its kill grace (signalling execs, each a Docker
-# round trip) before its sandbox is destroyed instead; an exec then waits at most
-# `_DESTROY_WAIT` for the removal, which goes on (`close` waits for it). A gVisor sentry at its
-# thread cap can keep a Docker call waiting for a minute or more: a command's timeout still
-# holds.
-_STOP_BUDGET = 3.0
+# Stopping a command may take this long past its kill grace (signalling execs, each a few
+# Docker round trips, which take seconds on a loaded host beside a fork bomb) before its
+# sandbox is destroyed instead; an exec then waits at most `_DESTROY_WAIT` for the removal,
+# which goes on (`close` waits for it). A gVisor sentry at its thread cap can keep a Docker
+# call waiting for a minute or more: a command's timeout still holds.
+_STOP_BUDGET = 10.0
 _DESTROY_WAIT = 2.0
 _SIGKILL_EXIT = 128 + 9
 _RUNSC_FAILED = 128
