@@ -307,40 +307,28 @@ async def _evaluate_all(
 ) -> RewardScore:
     """Run rewards concurrently; the weighted total and `{name: total, name/part: value}`.
 
-    The first failure cancels the others and is raised as `RewardError`; its message also names
-    the rewards that failed with it or were still running (when a reward crashes the process it
-    shares with others, every one of them fails, and the one seen first need not be the culprit).
+    The first failure cancels the others and is raised as `RewardError`.
     """
     names = [fn.name for fn in fns]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"reward names must be unique; repeated: {duplicates}")
-    tasks = [
-        asyncio.ensure_future(
-            _evaluate_one(fn, task, response, transcript, trajectory, default_timeout)
-        )
-        for fn in fns
-    ]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-    finally:
-        for t in tasks:
-            t.cancel()
-    failed = [t for t in tasks if t in done and t.exception() is not None]
-    if failed:
-        await asyncio.gather(*pending, return_exceptions=True)
-        first = failed[0].exception()
-        assert first is not None
-        if not isinstance(first, RewardError):
-            raise first
-        message = str(first)
-        also_failed = [fn.name for fn, t in zip(fns, tasks, strict=True) if t in failed[1:]]
-        if also_failed:
-            message += f"; also failed: {also_failed}"
-        unfinished = [fn.name for fn, t in zip(fns, tasks, strict=True) if t in pending]
-        if unfinished:
-            message += f"; still running then: {unfinished}"
-        raise RewardError(message) from first.__cause__
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(
+                    _evaluate_one(fn, task, response, transcript, trajectory, default_timeout)
+                )
+                for fn in fns
+            ]
+    except BaseExceptionGroup as group_error:
+        reward_errors = group_error.subgroup(RewardError)
+        if reward_errors is None:
+            raise
+        first = reward_errors.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from first.__cause__
     info: dict[str, float] = {}
     total = 0.0
     for fn, weight, t in zip(fns, weights, tasks, strict=True):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping
-from typing import Any
 
 from omniloop.errors import OmniloopError
 from omniloop.platform.control.faults import FaultTimeline
@@ -77,37 +76,19 @@ class HealthMonitor:
 
 
 def _deployment_status() -> dict[str, tuple[str, int, str]]:
-    """Role -> (deployment status, running replicas, message), from Ray Serve.
+    """Role -> (deployment status, running replicas, message), from Ray Serve."""
+    from ray import serve
 
-    Reads the controller's details as the plain dict it sends: `serve.status()` validates them
-    into pydantic models, and each deployment's request-router config re-pickles its router
-    class there (a scan of every imported module), which took two thirds of a core at one
-    poll a second."""
-    from ray.serve.context import _get_global_client
-
-    client = _get_global_client(raise_if_no_controller_running=False)
-    if client is None:
-        return {}
-    return deployment_status(client.get_serve_details())
-
-
-def deployment_status(details: Mapping[str, Any]) -> dict[str, tuple[str, int, str]]:
-    """Role -> (deployment status, running replicas, message), from the Serve controller's
-    instance details (`get_serve_instance_details`): each role is the deployment named as its
-    application."""
     out: dict[str, tuple[str, int, str]] = {}
-    for app_name, app in (details.get("applications") or {}).items():
-        deployment = (app.get("deployments") or {}).get(app_name)
-        if deployment is None:
-            continue
-        running = sum(
-            1 for r in deployment.get("replicas") or [] if _value(r.get("state")) == "RUNNING"
-        )
-        state = _value(deployment.get("status"))
-        out[app_name] = (state, running, deployment.get("message") or "")
+    for app_name, app in serve.status().applications.items():
+        for name, deployment in app.deployments.items():
+            if name != app_name:
+                continue
+            running = sum(
+                count
+                for state, count in deployment.replica_states.items()
+                if getattr(state, "value", state) == "RUNNING"
+            )
+            state = getattr(deployment.status, "value", deployment.status)
+            out[app_name] = (str(state), running, deployment.message or "")
     return out
-
-
-def _value(field: Any) -> str:
-    """An enum field of the details as its string (they come as enums or as strings)."""
-    return str(getattr(field, "value", field))

@@ -29,7 +29,6 @@ import threading
 import time
 from typing import Any
 
-from omniloop.errors import RewardError
 from omniloop.rewards import RewardFn
 from omniloop.rewards.base import RewardScore, Transcript, as_reward_fn
 from omniloop.trajectory import Trajectory
@@ -117,8 +116,7 @@ class RemoteReward:
         transcript: Transcript | None = None,
         trajectory: Trajectory | None = None,
     ) -> RewardScore:
-        from ray.exceptions import RayActorError
-        from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+        from ray.serve.exceptions import BackPressureError
 
         while True:
             call = self._handle.evaluate.remote(self.name, task, response, transcript, trajectory)
@@ -127,12 +125,6 @@ class RemoteReward:
             except BackPressureError:
                 await asyncio.sleep(REFUSED_PAUSE_S)
                 continue
-            except (RayActorError, ReplicaUnavailableError) as err:
-                raise RewardError(
-                    f"reward {self.name!r}: the reward replica evaluating it died (a reward "
-                    "evaluated there crashed its process, or the replica passed "
-                    f"services.reward_memory_mb): {type(err).__name__}"
-                ) from err
             except asyncio.CancelledError:
                 call.cancel()
                 raise

@@ -50,10 +50,6 @@ class RolePlacement(StrictModel):
     """Most replicas of the role on one node (spreads them over nodes); None: no bound."""
 
 
-SMALL_CLUSTER_CPUS = 4
-"""Up to this many CPUs in the run's Ray cluster, the replicated roles default to one replica."""
-
-
 class ServicesConfig(StrictModel):
     """How the roles run: as Ray Serve deployments (each its own process and failure domain) or
     inside the `omniloop run` process (for unit tests and debugging)."""
@@ -62,10 +58,8 @@ class ServicesConfig(StrictModel):
     """`services`: rollout, advantage and actor are Ray Serve deployments on the run's Ray
     cluster; a replica that dies is replaced and its work retried. `in_process`: the same roles
     in this process, with no fault isolation."""
-    rollout_replicas: int | None = Field(default=None, ge=1)
-    """Replicas of the rollout deployment; they share `rollout.concurrency`. None: one on a
-    Ray cluster of at most `SMALL_CLUSTER_CPUS` CPUs (every process there takes CPU from the
-    engine and the trainer), else two (a lost replica's episodes move to the other at once)."""
+    rollout_replicas: int = Field(default=2, ge=1)
+    """Replicas of the rollout deployment; each runs up to `rollout.concurrency` episodes."""
     max_queued_requests: int = Field(default=1024, ge=1)
     """Requests a deployment's callers may queue beyond what its replicas run at once; past it
     a call is refused (back-pressure) and retried after a pause, never dropped."""
@@ -75,10 +69,9 @@ class ServicesConfig(StrictModel):
     engine_wait_s: float = Field(default=120.0, gt=0)
     """Seconds a generation request waits for an engine to answer again (a dead engine is
     replaced meanwhile) before the episode fails as `engine_error`."""
-    reward_replicas: int | None = Field(default=None, ge=1)
+    reward_replicas: int = Field(default=2, ge=1)
     """Replicas of the reward deployment, where reward functions run (a reward that crashes
-    its process takes down only the replica, and the episodes it was scoring). None: as for
-    `rollout_replicas`."""
+    its process takes down only the replica, and the episodes it was scoring)."""
     sandbox_replicas: int = Field(default=1, ge=1)
     """Replicas of the sandbox deployment (sandboxd: the only process of the run that creates
     sandboxes); on a cluster, spread them with `placement.sandbox.max_replicas_per_node`."""

@@ -48,7 +48,6 @@ from typing import Any, TypeVar
 # this (0.2 s by default): on a loaded 2-core machine that is every few calls. Read at import.
 os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
 
-import ray
 from ray import serve
 from ray.exceptions import (
     ActorDiedError,
@@ -77,7 +76,7 @@ from omniloop.platform.control.faults import Failure, FaultTimeline, Retry
 from omniloop.platform.control.health import HealthMonitor
 from omniloop.platform.control.local import StepRollout, uses_reference_role
 from omniloop.platform.control.reward_service import RewardServer
-from omniloop.platform.control.run_config import SMALL_CLUSTER_CPUS, RunConfig
+from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.sandbox_service import SandboxServer
 from omniloop.processes import free_port
 
@@ -104,11 +103,6 @@ def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
     if isinstance(err, ReplicaUnavailableError | DeploymentUnavailableError):
         return "lost", ""
     return None
-
-
-def default_replicas(cluster_cpus: float) -> int:
-    """Replicas of a replicated role left unset: one on a small cluster, else two."""
-    return 1 if cluster_cpus <= SMALL_CLUSTER_CPUS else 2
 
 
 def enter_run_folder(cwd: str, paths: list[str]) -> None:
@@ -387,10 +381,7 @@ async def service_roles(
     import asyncio
 
     settings = config.services
-    cpus = ray.cluster_resources().get("CPU", 0.0)
-    rollout_replicas = settings.rollout_replicas or default_replicas(cpus)
-    reward_replicas = settings.reward_replicas or default_replicas(cpus)
-    per_replica = max(1, math.ceil(config.rollout.concurrency / rollout_replicas))
+    per_replica = max(1, math.ceil(config.rollout.concurrency / settings.rollout_replicas))
     common: dict[str, Any] = {
         "max_queued_requests": settings.max_queued_requests,
         "health_check_period_s": settings.health_check_period_s,
@@ -411,7 +402,7 @@ async def service_roles(
     cwd, paths = os.getcwd(), [p for p in sys.path if p]
     rollout_app = serve.deployment(
         name="rollout",
-        num_replicas=rollout_replicas,
+        num_replicas=settings.rollout_replicas,
         max_ongoing_requests=per_replica,
         **placed("rollout"),
     )(RolloutServer).bind(
@@ -425,16 +416,12 @@ async def service_roles(
         name="advantage", num_replicas=1, max_ongoing_requests=64, **placed("advantage")
     )(AdvantageServer).bind(config, cwd, paths)
     with_reference = uses_reference_role(config)
-    reference_app = (
-        serve.deployment(
-            name="reference", num_replicas=1, max_ongoing_requests=64, **placed("reference")
-        )(ReferenceServer).bind(config, cwd, paths)
-        if with_reference
-        else None
-    )
+    reference_app = serve.deployment(
+        name="reference", num_replicas=1, max_ongoing_requests=64, **placed("reference")
+    )(ReferenceServer).bind(config, cwd, paths)
     reward_app = serve.deployment(
         name="reward",
-        num_replicas=reward_replicas,
+        num_replicas=settings.reward_replicas,
         max_ongoing_requests=max(per_replica, 8),
         **placed("reward"),
     )(RewardServer).bind(
@@ -480,7 +467,7 @@ async def service_roles(
         serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(reward_app, name="reward", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(sandbox_app, name="sandbox", route_prefix=None, logging_config=SERVE_LOGGING)
-        if reference_app is not None:
+        if with_reference:
             serve.run(
                 reference_app, name="reference", route_prefix=None, logging_config=SERVE_LOGGING
             )
@@ -527,9 +514,9 @@ async def service_roles(
             monitor=HealthMonitor(
                 {
                     "engine": engines,
-                    "reward": reward_replicas,
+                    "reward": settings.reward_replicas,
                     "sandbox": settings.sandbox_replicas,
-                    "rollout": rollout_replicas,
+                    "rollout": settings.rollout_replicas,
                     "advantage": 1,
                     "actor": 1,
                     **({"api": 1} if settings.api else {}),
