@@ -46,12 +46,7 @@ class BombLostUnderFreeze(Exception):
     """The harness's freeze window lost the bomb's container (runc): the legacy (cgroup v1)
     freezer failed on the forking cgroup and the container went away, which Docker reports
     on unpause. An artefact of `docker pause` on a fork bomb, not of the sandbox (which
-    logged no removal). Carries the latencies measured until then."""
-
-    def __init__(self, message: str, frozen: list[float], running: list[float]) -> None:
-        super().__init__(message)
-        self.frozen = frozen
-        self.running = running
+    logged no removal). The latencies measured until then are kept."""
 
 
 async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbours(
@@ -73,15 +68,11 @@ async def test_a1_fork_bomb_hits_pids_limit_returns_in_time_and_spares_neighbour
     for freeze in (True, False):
         bomb = await make_sandbox(pids=128)
         try:
-            result, elapsed, more_frozen, more_running, diagnosis = await _bomb_beside(
-                bomb, neighbour, timeout, freeze, backend, docker_api, caplog
+            result, elapsed, diagnosis = await _bomb_beside(
+                bomb, neighbour, timeout, freeze, backend, docker_api, caplog, frozen, running
             )
-        except BombLostUnderFreeze as lost:
-            frozen += lost.frozen
-            running += lost.running
+        except BombLostUnderFreeze:
             continue
-        frozen += more_frozen
-        running += more_running
         break
 
     # Past the timeout: the kill grace, then stopping the bomb (signalling execs retried while
@@ -163,10 +154,12 @@ async def _bomb_beside(
     backend: str,
     docker_api: APIClient,
     caplog: pytest.LogCaptureFixture,
-) -> tuple[Any, float, list[float], list[float], str]:
+    frozen: list[float],
+    running: list[float],
+) -> tuple[Any, float, str]:
     """Run the fork bomb for `timeout` while timing the neighbour's execs with the bomb frozen
-    (unless not `freeze`) and running; (the exec's result or None, seconds until it returned,
-    frozen latencies, running latencies, what happened when)."""
+    (unless not `freeze`) and running, appended to `frozen` and `running`; (the exec's result
+    or None, seconds until it returned, what happened when)."""
     start = time.monotonic()
     wall_start = time.time()
     # `exec sleep` keeps the bomb's first shell (and so the bomb) alive until the timeout.
@@ -197,8 +190,6 @@ async def _bomb_beside(
     # stall for a scheduling slice or two either way (the slowest of 24 once read 241 ms with
     # the bomb running against 102 ms frozen), while a bomb that starves its neighbours slows
     # every exec.
-    frozen: list[float] = []
-    running: list[float] = []
 
     def gone(err: APIError) -> None:
         # gVisor's sentry can die at the host thread cap, taking the bomb with it (the
@@ -207,7 +198,7 @@ async def _bomb_beside(
             return
         if not any("destroyed" in r.getMessage() for r in caplog.records):
             task.cancel()
-            raise BombLostUnderFreeze(f"{err}; {diagnosis()}", frozen, running)
+            raise BombLostUnderFreeze(f"{err}; {diagnosis()}")
         raise AssertionError(f"the bomb's container went away: {err}; {diagnosis()}")
 
     # A frozen window must end well before the timeout: a bomb still frozen then could not be
@@ -249,7 +240,7 @@ async def _bomb_beside(
         # has no result; the sandbox must be gone, the host clean (below).
         assert backend == "gvisor", diagnosis()
         result = None
-    return result, returned_at[0] - start, frozen, running, diagnosis()
+    return result, returned_at[0] - start, diagnosis()
 
 
 async def test_a2_process_flood_is_capped_at_pids_limit_and_reaped_at_teardown(

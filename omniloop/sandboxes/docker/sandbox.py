@@ -293,8 +293,9 @@ class DockerSandbox:
 
     async def _stop_everything(self, pump: asyncio.Future[None]) -> None:
         """SIGTERM every process of the sandbox user, SIGKILL what is left after the grace. When
-        no signal can be delivered (no process can be started to send it), the sandbox is
-        destroyed instead: nothing of the command may outlive its timeout."""
+        no signal can be delivered (no process can be started to send it), or stopping takes
+        more than `_STOP_BUDGET` past the grace, the sandbox is destroyed instead: nothing of the
+        command may outlive its timeout."""
         reason = "its processes could not be stopped (process limit exhausted)"
         try:
             async with asyncio.timeout(self.config.limits.kill_grace + _STOP_BUDGET):
