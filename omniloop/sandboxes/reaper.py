@@ -10,8 +10,10 @@ removed when
   worker or the service was SIGKILLed;
 - its owner is this very process and it is no longer in use here (its `close` failed, say after
   the Docker connection broke);
-- it is not running and older than `grace` (a container whose init died; auto-remove normally
-  takes those at once);
+- it has stopped (exited or dead) and is older than `grace` (a container whose init died;
+  auto-remove normally takes those at once). A container that is `created` but not yet running
+  is left to its owner: a loaded daemon can take longer than the grace to start one, and the
+  owner is about to use it; one left behind goes with its owner or at its expiry;
 - it is a network or volume older than `grace` whose sandbox container no longer exists.
 
 Removal failures are logged and counted (`docker.cleanup_failures`), never ignored. Run it at
@@ -47,6 +49,9 @@ from omniloop.sandboxes.docker import (
 logger = logging.getLogger(__name__)
 
 _FILTER = {"label": [f"{LABEL_SANDBOX}=1"]}
+_STOPPED = frozenset({"exited", "dead"})
+"""Docker's container states in which its init has ended (`created`, `running`, `paused`,
+`restarting` and `removing` are the others)."""
 _PARALLEL_REMOVALS = 8  # a leak of hundreds must go within one period, without flooding Docker
 
 
@@ -69,7 +74,7 @@ def reap_reason(
     labels: dict[str, str],
     *,
     name: str,
-    running: bool,
+    state: str,
     age: float,
     now: float,
     grace: float,
@@ -90,8 +95,8 @@ def reap_reason(
             return "abandoned by this process"
     elif owner and owner_alive(owner) is False:
         return "owner process gone"
-    if not running and age > grace:
-        return "not running"
+    if state in _STOPPED and age > grace:
+        return "stopped"
     return None
 
 
@@ -163,7 +168,7 @@ class Reaper:
             reason = reap_reason(
                 labels,
                 name=name,
-                running=item.get("State") == "running",
+                state=str(item.get("State", "")),
                 age=now - _created(item.get("Created")),
                 now=now,
                 grace=self.grace,
@@ -204,7 +209,7 @@ class Reaper:
     ) -> str | None:
         age = now - _created(created)
         reason = reap_reason(
-            labels, name=name, running=True, age=age, now=now, grace=self.grace, live=live, me=me
+            labels, name=name, state="running", age=age, now=now, grace=self.grace, live=live, me=me
         )
         sandbox_id = labels.get("omniloop.sandbox_id", "")
         if reason is None and age > self.grace and sandbox_id not in existing:
