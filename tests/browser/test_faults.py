@@ -1,6 +1,7 @@
 """The run page's Faults panel in headless Chromium: one row per fault of the run's roles
-(seeded as a training run records them), live as new ones are recorded, with their steps
-marked on the reward chart; "No faults" for a run without any."""
+(seeded as a training run records them), live as new ones are recorded (down when detected,
+then the same row recovered), with their steps marked on the reward chart; "No faults" for a
+run without any."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ CAUSE = "ActorDiedError: The actor died unexpectedly before finishing this task.
 
 
 def _fault(
-    step: int, role: str, replica: str, after: float, down_for: float | None, retried: list[str]
+    step: int,
+    role: str,
+    replica: str,
+    after: float,
+    down_for: float | None,
+    retried: list[str],
+    fault_id: str | None = None,
 ) -> dict[str, Any]:
     fault = Fault(
         role=role,
@@ -28,6 +35,8 @@ def _fault(
         recovered_at=None if down_for is None else DETECTED + after + down_for,
         retried=retried,
     )
+    if fault_id is not None:
+        fault.fault_id = fault_id
     return {"step": step, **fault.to_json()}
 
 
@@ -113,20 +122,36 @@ def test_faults_panel_lists_the_timeline_live_and_marks_the_reward_chart(
     expect(page.locator(".chart-panel[data-markers]")).to_have_count(1)
     screenshot(page, "faults")
 
-    # Live: a fault recorded now shows up without reloading, and so does its marker.
-    store = dashboard.store()
-    try:
-        store.record_run_event(
-            run_id, FAULT_EVENT, _fault(10, "rollout", "feedbeef", 200, 2.0, ["step 10 episode 1"])
-        )
-    finally:
-        store.close()
+    # Live: a fault recorded as it is detected shows up down without reloading, and so does
+    # its marker; its recovery, recorded later under the same fault id, replaces its row.
+    def record(data: dict[str, Any]) -> None:
+        store = dashboard.store()
+        try:
+            store.record_run_event(run_id, FAULT_EVENT, data)
+        finally:
+            store.close()
+
+    record(_fault(10, "rollout", "feedbeef", 200, None, [], fault_id="f-live"))
     expect(rows).to_have_count(4)
-    expect(rows.nth(3).locator('[data-col="recovery"]')).to_have_text("recovered after 2.00 s")
+    expect(rows.nth(3).locator('[data-col="recovery"]')).to_have_text("down")
     expect(reward).to_have_attribute("data-markers", "3,5,8,10")
-    # What the page shows is what the API says.
+    screenshot(page, "faults-live-down")
+    record(_fault(10, "rollout", "feedbeef", 200, 2.0, ["step 10 episode 1"], fault_id="f-live"))
+    expect(rows.nth(3).locator('[data-col="recovery"]')).to_have_text("recovered after 2.00 s")
+    expect(rows).to_have_count(4)
+    expect(rows.nth(3).locator('[data-col="retried"] summary')).to_have_text("1")
+    expect(rows.nth(3)).to_have_attribute("data-fault", "f-live")
+    expect(reward).to_have_attribute("data-markers", "3,5,8,10")
+    # What the page shows is what the API says: the live fault twice, under one id.
     api = httpx.get(f"{dashboard.url}/v1/runs/{run_id}/faults", timeout=30).json()
-    assert [f["role"] for f in api["items"]] == ["advantage", "rollout", "actor", "rollout"]
+    assert [f["role"] for f in api["items"]] == [
+        "advantage",
+        "rollout",
+        "actor",
+        "rollout",
+        "rollout",
+    ]
+    assert [f["fault_id"] for f in api["items"][3:]] == ["f-live", "f-live"]
     screenshot(page, "faults-live")
 
 

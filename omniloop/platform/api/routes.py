@@ -558,7 +558,8 @@ def v1_router() -> APIRouter:
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE_SIZE)] = DEFAULT_PAGE_SIZE,
     ) -> FaultList:
         """The run's fault timeline, oldest first: each failed replica of its roles with its
-        cause, when it was detected and recovered, and the work retried. Read from the run's
+        cause, when it was detected and recovered, and the work retried; a fault is listed when
+        detected and again, under the same `fault_id`, once recovered. Read from the run's
         `fault` events through their own index (as fast for runs with many episodes); a
         `run_id` that names no run is a 404."""
         after = int(cursor) if cursor is not None else 0

@@ -299,15 +299,19 @@ class RunMetrics(_Output):
 class FaultOut(_Output):
     """One fault of a run's roles: a replica that failed, from detection to recovery.
 
-    Read from the run's `fault` events (`control/record.py` writes each once its role is back,
-    and at the end of the run those still open); a field the recorded event lacks, or holds in
-    another shape, reads as null."""
+    Read from the run's `fault` events. `control/record.py` writes two per fault, under one
+    `fault_id`: when it is detected (`recovered_at` null) and when its role is back (or the
+    run ended with it open); the later item supersedes the earlier. A field the recorded event
+    lacks, or holds in another shape, reads as null."""
 
     id: int
-    """The fault's event id; faults are listed in increasing id (recording) order, and
-    `cursor` takes the id of the last fault seen."""
+    """The event's id; items are listed in increasing id (recording) order, and `cursor`
+    takes the id of the last item seen."""
+    fault_id: str | None
+    """Names the fault across its items (null for an event recorded without one: a fault of
+    its own)."""
     step: int | None
-    """The training step that saw the fault."""
+    """The training step that saw the fault (at detection: the oldest step in production)."""
     role: str
     """The role that failed: `engine`, `reward`, `rollout`, `advantage` or `actor` (`unknown`
     when the event names none)."""
@@ -453,6 +457,7 @@ def fault_out(record: EventRecord) -> FaultOut:
     retried = data.get("retried")
     return FaultOut(
         id=record.id,
+        fault_id=_text_field(data, "fault_id"),
         step=step if isinstance(step, int) and not isinstance(step, bool) else None,
         role=_role(data),
         replica=_text_field(data, "replica"),

@@ -15,15 +15,17 @@ retried):
 
 The timeline holds one `Fault` per failure of a role: when it was detected, the work that was
 retried, and when the role was back to full strength (`recovered_at`, seen by the
-`health.HealthMonitor`). Every fault goes to
-`RUN_DIR/faults.jsonl`, the run store (an event of type `fault`) and the step's metrics
-(`faults/count`, `faults/recovery_seconds`), through `RunRecord`; refused calls are counted
-in the step's `faults/refused_calls`.
+`health.HealthMonitor`). Through `RunRecord`, every fault goes to the run store twice, as
+events of type `fault` under its `fault_id`: once when it is detected (still down) and once
+when it has recovered (or the run ended with it open); the second supersedes the first. The
+finished fault also goes to `RUN_DIR/faults.jsonl` and the step's metrics (`faults/count`,
+`faults/recovery_seconds`); refused calls are counted in the step's `faults/refused_calls`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -56,6 +58,8 @@ class Fault:
     """Unix time the first retried piece of work succeeded; None while still down."""
     retried: list[str] = field(default_factory=list)
     """The work re-run because of it (`step 3 episode 5`…)."""
+    fault_id: str = field(default_factory=lambda: secrets.token_hex(8))
+    """Names the fault across the events that record it (detected, then recovered)."""
 
     @property
     def recovery_seconds(self) -> float | None:
@@ -75,14 +79,20 @@ class FaultTimeline:
     replicas as Ray Serve sees them: `role_down`, `role_up`). Only the monitor closes a fault,
     when a poll that started after the fault was opened finds every replica running and
     healthy, and either it had seen the role down or `settle_s` have passed (a replica replaced
-    faster than a poll). `take_finished` hands each closed fault out once.
+    faster than a poll). `take_finished` hands each closed fault out once; `on_open` is given
+    each fault as it opens.
     """
 
     def __init__(
-        self, settle_s: float = 10.0, on_change: Callable[[str], None] | None = None
+        self,
+        settle_s: float = 10.0,
+        on_change: Callable[[str], None] | None = None,
+        on_open: Callable[[Fault], None] | None = None,
     ) -> None:
         self._on_change = on_change or (lambda _: None)
         """Told each change in words (a fault opened, work retried, a role recovered)."""
+        self._on_open = on_open or (lambda _: None)
+        """Given each new fault as it opens (before any work is retried under it)."""
         self.faults: list[Fault] = []
         self._settle_s = settle_s
         self._open: dict[str, Fault] = {}
@@ -107,6 +117,7 @@ class FaultTimeline:
             self._open[role] = fault
             self.faults.append(fault)
             self._on_change(f"{role} failed: {cause}")
+            self._on_open(fault)
         elif replica and not fault.replica:
             fault.replica = replica
         if work is not None:

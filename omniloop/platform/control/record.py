@@ -28,9 +28,10 @@ class RunRecord:
     """The run's files, database records and console output, one `step` call per trained step.
 
     The database gets each step's metrics once the step is trained (the rollout role records
-    the episodes themselves as they finish), so the dashboard shows a run as it trains. The
-    faults the step saw (`FaultTimeline`) go to `RUN_DIR/faults.jsonl`, the run's events and
-    the step's metrics.
+    the episodes themselves as they finish), so the dashboard shows a run as it trains. A fault
+    (`FaultTimeline`) is a run event as soon as it is detected, and again once it has recovered
+    (the step that recorded it then); the finished faults also go to `RUN_DIR/faults.jsonl`
+    and the step's metrics.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class RunRecord:
         self.timeline = FaultTimeline(
             settle_s=2 * config.services.health_check_period_s + 5.0,
             on_change=lambda message: console.print(f"[bold red]fault[/bold red] {message}"),
+            on_open=self._fault_opened,
         )
         self.run_id = config.run_id
         self._config = config
@@ -55,6 +57,18 @@ class RunRecord:
         self._store = store
         self._bars: dict[int, TaskID] = {}
         self._restored_at: set[int] = set()
+        self._opened: set[asyncio.Task[int]] = set()
+        """Store writes of detected faults not yet awaited (`_record_faults` awaits them)."""
+
+    def _fault_opened(self, fault: Fault) -> None:
+        """Record `fault` as it opens, under the oldest step in production (the step that
+        records it when it recovers by then), without holding up the caller."""
+        step = min(self._bars, default=None)
+        write = asyncio.get_running_loop().create_task(
+            self._store.record_run_event(self.run_id, "fault", {"step": step, **fault.to_json()})
+        )
+        self._opened.add(write)
+        write.add_done_callback(self._opened.discard)
 
     def rewind(self, step: int) -> None:
         """Drop what the logs hold from step `step` on (a resumed run redoes those steps)."""
@@ -108,6 +122,8 @@ class RunRecord:
         return metrics
 
     async def _record_faults(self, step: int, faults: list[Fault]) -> None:
+        # A fault's detection is stored before its recovery, which supersedes it.
+        await asyncio.gather(*self._opened)
         with self.faults_path.open("a") as stream:
             for fault in faults:
                 stream.write(json.dumps({"step": step, **fault.to_json()}) + "\n")

@@ -38,15 +38,18 @@ from sqlalchemy import (
     Connection,
     CursorResult,
     Select,
+    String,
     Table,
     and_,
     case,
+    distinct,
     func,
     insert,
     or_,
     select,
     text,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
@@ -674,9 +677,10 @@ class Store:
             return self._add_event(connection, type, data, run_id=run_id, episode_id=None)
 
     def role_faults(self, run_ids: Sequence[str]) -> list[RoleFaults]:
-        """Per run of `run_ids` and role: how many `fault` events it has and the recovery time
-        of the newest that recovered; ordered by run (as given) and role. Runs without faults,
-        and ids that name no run, are left out.
+        """Per run of `run_ids` and role: how many faults it has (its `fault` events, those of
+        one `fault_id` counted once) and the recovery time of the newest that recovered;
+        ordered by run (as given) and role. Runs without faults, and ids that name no run, are
+        left out.
 
         Two statements, reading only the fault events of these runs (index
         `ix_events_run_type_id`), never their episodes' events: the counts and, per role, the
@@ -691,11 +695,14 @@ class Store:
             return []
         role = EventRow.data["role"].as_string()
         recovered = EventRow.data["recovery_seconds"].as_string().is_not(None)
+        # A fault is recorded when detected and again when recovered, under one `fault_id`;
+        # an event without one (recorded before faults had ids) is a fault of its own.
+        fault = func.coalesce(EventRow.data["fault_id"].as_string(), sql_cast(EventRow.id, String))
         counts = (
             select(
                 EventRow.run_id,
                 role,
-                func.count(),
+                func.count(distinct(fault)),
                 func.max(case((recovered, EventRow.id), else_=None)),
             )
             .where(EventRow.run_id.in_(ids), EventRow.type == FAULT_EVENT)

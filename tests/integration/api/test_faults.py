@@ -107,6 +107,7 @@ async def test_faults_are_listed_oldest_first_with_every_field(seeded, open_api)
     first = items[0]
     assert set(first) == {
         "id",
+        "fault_id",
         "step",
         "role",
         "replica",
@@ -117,6 +118,8 @@ async def test_faults_are_listed_oldest_first_with_every_field(seeded, open_api)
         "retried",
         "recorded_at",
     }
+    assert first["fault_id"] == FAULTS[0]["fault_id"]
+    assert len({f["fault_id"] for f in items}) == len(items)
     assert first["replica"] == "a1b2c3d4e5f6a7b8c9d0"
     assert first["cause"] == FAULTS[0]["cause"]
     assert datetime.fromisoformat(first["detected_at"]) == _at(FAULTS[0]["detected_at"])
@@ -194,6 +197,7 @@ async def test_a_fault_event_of_another_shape_reads_with_nulls(make_settings, op
     assert response.status_code == 200, response.text
     bare, huge = response.json()["items"]
     assert {k: v for k, v in bare.items() if k not in ("id", "recorded_at")} == {
+        "fault_id": None,
         "step": None,
         "role": "unknown",
         "replica": None,
@@ -278,3 +282,33 @@ async def test_prometheus_exports_faults_per_role_of_running_and_recent_runs(
     assert _samples(second, "omniloop_run_fault_recovery_seconds") == {
         ("next", "actor"): pytest.approx(2.0)
     }
+
+
+async def test_a_fault_is_listed_when_detected_and_again_when_recovered(make_settings, open_api):
+    settings = make_settings()
+    detected = Fault(
+        role="reward", replica="", cause="2 of 2 replicas running: x", detected_at=DETECTED
+    )
+    with Store(settings.db_url) as store:
+        store.migrate()
+        store.create_run(run_id="live", status="running")
+        store.record_run_event("live", FAULT_EVENT, {"step": 2, **detected.to_json()})
+    async with open_api(settings) as api:
+        down = (await api.get("/v1/runs/live/faults")).json()["items"]
+        count_down = _samples((await api.get("/metrics")).text, "omniloop_run_faults_total")
+        detected.recovered_at = DETECTED + 4.0
+        detected.retried.append("step 2 episode 3")
+        with Store(settings.db_url) as store:
+            store.record_run_event("live", FAULT_EVENT, {"step": 2, **detected.to_json()})
+        after = (await api.get("/v1/runs/live/faults", params={"cursor": down[-1]["id"]})).json()
+        count_up = _samples((await api.get("/metrics")).text, "omniloop_run_faults_total")
+        recovery = _samples((await api.get("/metrics")).text, "omniloop_run_fault_recovery_seconds")
+    [before] = down
+    assert (before["recovered_at"], before["recovery_seconds"]) == (None, None)
+    [recovered] = after["items"]
+    assert recovered["fault_id"] == before["fault_id"] == detected.fault_id
+    assert recovered["recovery_seconds"] == pytest.approx(4.0)
+    assert recovered["retried"] == ["step 2 episode 3"]
+    # Counted once, down or recovered.
+    assert count_down == count_up == {("live", "reward"): 1}
+    assert recovery == {("live", "reward"): pytest.approx(4.0)}

@@ -105,14 +105,18 @@ def test_role_faults_counts_per_role_with_the_newest_recovery(store: Store) -> N
     store.record_run_event("b", FAULT_EVENT, {"cause": "no role"})
     store.record_run_event("b", FAULT_EVENT, _fault("rollout", True))
     store.record_run_event("b", FAULT_EVENT, _fault("advantage", "soon"))
+    # Recorded when detected and again when recovered: one fault.
+    store.record_run_event("a", FAULT_EVENT, _fault("rollout", None, fault_id="f1"))
+    store.record_run_event("a", FAULT_EVENT, _fault("rollout", 1.5, fault_id="f1"))
+    store.record_run_event("a", FAULT_EVENT, _fault("actor", None, fault_id="f2"))
     found = store.role_faults(["b", "a", "quiet", "missing", "a"])
     assert found == [
         RoleFaults(run_id="b", role="advantage", count=1, latest_recovery_seconds=None),
         RoleFaults(run_id="b", role="rollout", count=1, latest_recovery_seconds=None),
         RoleFaults(run_id="b", role="unknown", count=1, latest_recovery_seconds=None),
-        RoleFaults(run_id="a", role="actor", count=1, latest_recovery_seconds=None),
+        RoleFaults(run_id="a", role="actor", count=2, latest_recovery_seconds=None),
         RoleFaults(run_id="a", role="advantage", count=1, latest_recovery_seconds=7.5),
-        RoleFaults(run_id="a", role="rollout", count=3, latest_recovery_seconds=3.25),
+        RoleFaults(run_id="a", role="rollout", count=4, latest_recovery_seconds=1.5),
     ]
     assert store.role_faults([]) == []
 

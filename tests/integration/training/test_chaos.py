@@ -239,6 +239,13 @@ def test_the_store_holds_every_episode_once_and_the_run_completed(chaos_run: Cha
         assert not [e for e in episodes if e.status != "completed"], "an episode was lost"
         events = [e for e in store.list_events(run_id=run_id) if e.type == "fault"]
         assert {e.data["role"] for e in events} == set(KILLS)
+        # Each fault is stored as it is detected (still down), then once recovered.
+        by_fault: dict[str, list[Any]] = {}
+        for event in events:
+            by_fault.setdefault(event.data["fault_id"], []).append(event.data)
+        assert len(by_fault) == len(KILLS), events
+        for fault_id, stored in by_fault.items():
+            assert [d["recovered_at"] is None for d in stored] == [True, False], (fault_id, stored)
 
 
 @pytest.mark.parametrize("role", sorted(KILLS))

@@ -1,6 +1,7 @@
 // A run's fault timeline: one row per failed replica of its roles, oldest first, refreshed
 // live. Faults are append-only events, so each poll asks only for those after the newest
-// seen (`cursor` = its id) and appends their rows.
+// seen (`cursor` = its id). A fault is recorded when detected and again once recovered, under
+// one `fault_id`: the later event replaces the fault's row in place.
 
 import { api } from "./api.js";
 import { clear, errorBox, fmtSeconds, fmtTime, h, shortId } from "./dom.js";
@@ -27,9 +28,14 @@ function recoveryCell(fault) {
   }, `recovered after ${fmtSeconds(fault.recovery_seconds)}`);
 }
 
+// Events recorded without a fault id are faults of their own.
+function faultKey(fault) {
+  return fault.fault_id ?? `event-${fault.id}`;
+}
+
 function faultRow(fault) {
   const replica = fault.replica;
-  return h("tr", { "data-fault": fault.id, "data-role": fault.role },
+  return h("tr", { "data-fault": faultKey(fault), "data-role": fault.role },
     h("td", { class: "num", "data-col": "step" }, fault.step === null ? "–" : String(fault.step)),
     h("td", { "data-col": "role" }, h("span", { class: "role" }, fault.role)),
     h("td", { class: "mono", "data-col": "replica", title: replica || "no replica named" },
@@ -54,6 +60,7 @@ export function faultsPanel({ runId, pollMs, onFaults = () => {} }) {
   const el = h("section", { class: "faults-panel", "data-faults": "", "data-count": "0" },
     message, empty, table);
   const faults = [];
+  const rows = new Map(); // fault key -> [index in `faults`, row]
   let after = null;
   let timer = null;
   let stopped = false;
@@ -66,8 +73,18 @@ export function faultsPanel({ runId, pollMs, onFaults = () => {} }) {
         const page = await api.faults(runId, { cursor: after, limit: PAGE }, { signal: controller.signal });
         if (stopped) return;
         for (const fault of page.items) {
-          faults.push(fault);
-          body.append(faultRow(fault));
+          const key = faultKey(fault);
+          const row = faultRow(fault);
+          const seen = rows.get(key);
+          if (seen) {
+            faults[seen[0]] = fault;
+            seen[1].replaceWith(row);
+            seen[1] = row;
+          } else {
+            rows.set(key, [faults.length, row]);
+            faults.push(fault);
+            body.append(row);
+          }
           after = fault.id;
           found = true;
         }
