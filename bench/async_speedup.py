@@ -33,7 +33,6 @@ only: the replicas are Ray's workers, not children of this process.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import math
@@ -45,15 +44,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TOY = REPO / "examples" / "toy_tool"
+from toy_run import TOY, toy_config
+from toy_run import train as train_toy
+
 sys.path.insert(0, str(TOY))
 
-from agent import PREFILL, TOOLS, found_the_treasure  # noqa: E402
+from agent import PREFILL, TOOLS, found_the_treasure
 
-from omniloop.agents.base import Session, Task  # noqa: E402
-from omniloop.tools import Toolset, parse_tool_calls  # noqa: E402
-from omniloop.tools.base import ToolContext  # noqa: E402
+from omniloop.agents.base import Session, Task
+from omniloop.tools import Toolset, parse_tool_calls
+from omniloop.tools.base import ToolContext
 
 # Chosen so that a step's rollout (generation plus its slowest wait) and its optimizer step take
 # comparable time on a 2-core machine, the regime where overlapping them pays the most.
@@ -100,30 +100,18 @@ def _cpu_seconds() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def train_once(
     model: Path, run_dir: Path, max_staleness: int, steps: int, mode: str = "services"
 ) -> dict[str, Any]:
     """Train `steps` steps; return wall/CPU seconds and the per-step metrics."""
-    from omniloop.config import load_config
-    from omniloop.platform.control.run import run
-    from omniloop.platform.control.run_config import RunConfig
-
     bench = Path(__file__).resolve()
-    config = load_config(
-        RunConfig,
-        TOY / "train.yaml",
+    config = toy_config(
+        model,
+        run_dir,
+        steps,
         [
-            f"model={model}",
-            f"run_dir={run_dir}",
-            f"steps={steps}",
             f"max_staleness={max_staleness}",
             f"checkpoint_every={steps}",
-            "tensorboard=false",
-            f"database=sqlite:///{run_dir}/omniloop.db",
             f"rollout.agent={bench}:build_agent",
             f"rollout.rewards=[{bench}:found_the_treasure]",
             # Room for the three steps a bound of 2 lets run at once (32 episodes each).
@@ -132,10 +120,8 @@ def train_once(
             f"services.mode={mode}",
         ],
     )
-    cpu, wall = _cpu_seconds(), time.perf_counter()
-    asyncio.run(run(config))
-    total = time.perf_counter() - wall
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    cpu = _cpu_seconds()
+    metrics, total = train_toy(config)
     loop = sum(m["perf/step_seconds"] for m in metrics)
     return {
         "wall_s": loop,

@@ -23,7 +23,6 @@ Prints ONE JSON line:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -36,44 +35,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TOY = REPO / "examples" / "toy_tool"
+from toy_run import TOY, read_jsonl, toy_config
+from toy_run import train as train_toy
+
 ROLES = ("rollout", "sandbox", "reward", "advantage", "engine", "actor", "api")
-
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def train(model: Path, run_dir: Path, steps: int, killer: Killer | None) -> float:
     """Train `steps` steps (SIGKILLs from `killer` meanwhile); the training loop's seconds."""
-    from omniloop.config import load_config
-    from omniloop.platform.control.run import run
-    from omniloop.platform.control.run_config import RunConfig
-
-    config = load_config(
-        RunConfig,
-        TOY / "train.yaml",
-        [
-            f"model={model}",
-            f"run_dir={run_dir}",
-            f"steps={steps}",
-            "checkpoint_every=5",
-            "tensorboard=false",
-            f"database=sqlite:///{run_dir}/omniloop.db",
-            "services.mode=services",
-        ],
-    )
+    config = toy_config(model, run_dir, steps, ["checkpoint_every=5", "services.mode=services"])
     if killer is not None:
         killer.start()
     try:
-        asyncio.run(run(config))
+        metrics, _ = train_toy(config)
     finally:
         if killer is not None:
             killer.stop()
-    return sum(m["perf/step_seconds"] for m in _read_jsonl(run_dir / "metrics.jsonl"))
+    return sum(m["perf/step_seconds"] for m in metrics)
 
 
 class Killer:
@@ -149,8 +127,8 @@ def main() -> None:
         baseline_s = train(model, root / "baseline", args.steps, None)
         killer = Killer(root / "chaos", args.kill_every, args.seed)
         chaos_s = train(model, root / "chaos", args.steps, killer)
-        trained = _read_jsonl(root / "chaos" / "trained.jsonl")
-        faults = _read_jsonl(root / "chaos" / "faults.jsonl")
+        trained = read_jsonl(root / "chaos" / "trained.jsonl")
+        faults = read_jsonl(root / "chaos" / "faults.jsonl")
         expected = _expected_ids(root / "chaos", args.steps, tasks_per_step, samples)
     ids = [i for step in trained for i, _ in step["samples"]]
     by_role: dict[str, list[float]] = {}

@@ -22,7 +22,6 @@ average.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -33,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TOY = REPO / "examples" / "toy_tool"
+from toy_run import TOY, toy_config
+from toy_run import train as train_toy
+
 WARMUP_STEPS = 2
 
 
@@ -107,37 +107,13 @@ class CpuSampler:
         return spent
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def train_once(
     model: Path, run_dir: Path, mode: str, steps: int, extra: list[str]
 ) -> dict[str, Any]:
     """Train `steps` steps with the roles in `mode` (and the dotted overrides `extra`); the
     step metrics and start-up seconds."""
-    from omniloop.config import load_config
-    from omniloop.platform.control.run import run
-    from omniloop.platform.control.run_config import RunConfig
-
-    config = load_config(
-        RunConfig,
-        TOY / "train.yaml",
-        [
-            f"model={model}",
-            f"run_dir={run_dir}",
-            f"steps={steps}",
-            f"checkpoint_every={steps}",
-            "tensorboard=false",
-            f"database=sqlite:///{run_dir}/omniloop.db",
-            f"services.mode={mode}",
-            *extra,
-        ],
-    )
-    started = time.perf_counter()
-    asyncio.run(run(config))
-    total = time.perf_counter() - started
-    metrics = _read_jsonl(run_dir / "metrics.jsonl")
+    overrides = [f"checkpoint_every={steps}", f"services.mode={mode}", *extra]
+    metrics, total = train_toy(toy_config(model, run_dir, steps, overrides))
     return {"metrics": metrics, "startup_s": total - sum(m["perf/step_seconds"] for m in metrics)}
 
 
