@@ -1,7 +1,9 @@
 """Learning and staleness on the toy tool task, end to end.
 
-One real run per staleness setting (on-policy, and rollouts up to two steps ahead): the CPU
-engine serves the warm-started tiny model over HTTP, every tool call runs in a bwrap sandbox,
+One real run per staleness setting (on-policy, and rollouts up to two steps ahead), the first
+with the roles in this process, the second through the role services (the trainer's learning is
+the same code either way; each mode is seen learning once): the CPU engine serves the
+warm-started tiny model over HTTP, every tool call runs in a bwrap sandbox,
 trajectories travel through TransferQueue, the torch trainer takes one optimizer step per
 rollout step and the engine loads its weights after each. The warm-started policy picks the
 treasure's direction 1 time in 8; only RL can raise that. The staleness properties are read
@@ -45,8 +47,15 @@ def toy_run(
 ) -> ToyRun:
     bound = int(request.param)
     run_dir = tmp_path_factory.mktemp(f"learn-s{bound}")
+    mode = "in_process" if bound == 0 else "services"
     config = toy_config(
-        run_dir, {"max_staleness": bound, "steps": STEPS, "checkpoint_every": STEPS}
+        run_dir,
+        {
+            "max_staleness": bound,
+            "steps": STEPS,
+            "checkpoint_every": STEPS,
+            "services.mode": mode,
+        },
     )
     asyncio.run(run(config))
     return ToyRun(
