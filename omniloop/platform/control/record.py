@@ -9,7 +9,7 @@ import math
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from rich.progress import Progress, TaskID
 
@@ -63,9 +63,10 @@ class RunRecord:
     def _fault_opened(self, fault: Fault) -> None:
         """Record `fault` as it opens, under the oldest step in production (the step that
         records it when it recovers by then), without holding up the caller."""
-        step = min(self._bars, default=None)
+        # The event is the fault as detected: its fields are read now, not when the write runs.
+        event = self._fault_event(min(self._bars, default=None), fault)
         write = asyncio.get_running_loop().create_task(
-            self._store.record_run_event(self.run_id, "fault", {"step": step, **fault.to_json()})
+            self._store.record_run_event(self.run_id, "fault", event)
         )
         self._opened.add(write)
         write.add_done_callback(self._opened.discard)
@@ -126,11 +127,14 @@ class RunRecord:
         await asyncio.gather(*self._opened)
         with self.faults_path.open("a") as stream:
             for fault in faults:
-                stream.write(json.dumps({"step": step, **fault.to_json()}) + "\n")
+                stream.write(json.dumps(self._fault_event(step, fault)) + "\n")
         for fault in faults:
-            await self._store.record_run_event(
-                self.run_id, "fault", {"step": step, **fault.to_json()}
-            )
+            await self._store.record_run_event(self.run_id, "fault", self._fault_event(step, fault))
+
+    @staticmethod
+    def _fault_event(step: int | None, fault: Fault) -> dict[str, Any]:
+        """The data of a `fault` run event: `fault` as it stands now, seen by `step`."""
+        return {"step": step, **fault.to_json()}
 
     async def finish(self, step: int) -> None:
         """Record the faults no step has recorded yet: those that recovered after the last
