@@ -70,19 +70,17 @@ def shifted_logprobs(
     return torch.where(attention_mask != 0, aligned, 0.0)
 
 
-def shifted_entropy(logits: Tensor, mask: Tensor, chunk_size: int | None = None) -> Tensor:
-    """Entropy `(B, T)` in fp32 of the distribution each token was drawn from, where `mask` is
-    nonzero (0 elsewhere, and at position 0). Only those positions are computed: over a
-    large vocabulary the entropy costs as much as the logprobs, so the trainer asks for the
-    loss-masked tokens alone, not the prompt's."""
-    out = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-    rows, positions = torch.nonzero(mask[:, 1:] != 0, as_tuple=True)
-    if rows.numel():
-        # Token i + 1 was drawn from the distribution of the logits at i.
-        out = out.index_put(
-            (rows, positions + 1), entropy_from_logits(logits[rows, positions], chunk_size)
-        )
-    return out
+def trained_tokens(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`(rows, positions)` of the tokens where `mask` `(B, T)` is nonzero (never position 0,
+    which nothing predicts)."""
+    rows, before = torch.nonzero(mask[:, 1:] != 0, as_tuple=True)
+    return rows, before + 1
+
+
+def at_tokens(values: Tensor, rows: Tensor, positions: Tensor, shape: torch.Size) -> Tensor:
+    """`(B, T)` fp32 zeros holding `values` at `(rows, positions)` (differentiable)."""
+    out = torch.zeros(shape, dtype=torch.float32, device=values.device)
+    return out.index_put((rows, positions), values.float())
 
 
 class Scorer:
@@ -105,6 +103,32 @@ class Scorer:
                 input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
             )
         logits: Tensor = out.logits
+        return logits
+
+    def token_logits(
+        self, model: nn.Module, batch: TrainBatch, rows: Tensor, positions: Tensor
+    ) -> Tensor:
+        """`(N, V)` logits of the distributions that tokens `(rows, positions)` of `batch` were
+        drawn from (the logits at `position - 1`).
+
+        Only those rows go through the output layer. In RL most of a sequence (the prompt,
+        tool output) is not trained, and over a large vocabulary the output layer and its fp32
+        logits are most of a step's compute and memory: the toy task's steps allocated 2 GB of
+        logits and their gradients, page-faulted in afresh every step. Models whose output is
+        more than a projection of the decoder's last hidden state (logit soft-capping) run
+        whole and are sliced.
+        """
+        hf: Any = model
+        decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
+        head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+        softcap = getattr(getattr(hf, "config", None), "final_logit_softcapping", None)
+        if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Linear) or softcap:
+            return self.logits(model, batch)[rows, positions - 1]
+        with self._autocast():
+            out = decoder(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            )
+            logits: Tensor = head(out.last_hidden_state[rows, positions - 1])
         return logits
 
     @torch.no_grad()
@@ -195,6 +219,7 @@ class TorchTrainerBackend:
         """
         cfg = self.config
         started = time.perf_counter()
+        cpu_started = time.thread_time()
         trained_version = self.version
         total_tokens = float((batch.loss_mask != 0).sum())
         if total_tokens == 0:
@@ -210,21 +235,27 @@ class TorchTrainerBackend:
             mb = mb.to(self.device)
             if (mb.loss_mask != 0).sum() == 0:
                 continue
+            # Logprobs, entropy and the reference's logprobs of the trained tokens only: the
+            # loss reads nothing else (every per-token term is loss-masked).
+            rows, positions = trained_tokens(mb.loss_mask)
+            targets = mb.input_ids[rows, positions]
+            shape = mb.input_ids.shape
+            chunk = cfg.logits_chunk_size
             ref = mb.ref_logprobs
             if ref is None and self.reference is not None and cfg.loss.kl_coef > 0:
                 with torch.no_grad():
-                    ref_logits = self.scorer.logits(self.reference, mb)
-                    ref = shifted_logprobs(
-                        ref_logits, mb.input_ids, mb.attention_mask, cfg.logits_chunk_size
-                    )
+                    ref_logits = self.scorer.token_logits(self.reference, mb, rows, positions)
+                    ref_rows = token_logprobs(ref_logits, targets, chunk)
+                    ref = at_tokens(ref_rows, rows, positions, shape)
                     del ref_logits
-            logits = self.scorer.logits(self.model, mb)
-            lp = shifted_logprobs(logits, mb.input_ids, mb.attention_mask, cfg.logits_chunk_size)
+            logits = self.scorer.token_logits(self.model, mb, rows, positions)
+            lp = at_tokens(token_logprobs(logits, targets, chunk), rows, positions, shape)
             if cfg.loss.entropy_coef > 0:
-                entropy = shifted_entropy(logits, mb.loss_mask, cfg.logits_chunk_size)
+                entropy_rows = entropy_from_logits(logits, chunk)
             else:
                 with torch.no_grad():
-                    entropy = shifted_entropy(logits.detach(), mb.loss_mask, cfg.logits_chunk_size)
+                    entropy_rows = entropy_from_logits(logits.detach(), chunk)
+            entropy = at_tokens(entropy_rows, rows, positions, shape)
             old = mb.old_logprobs if mb.old_logprobs is not None else lp.detach()
             loss, metrics = rl_loss(
                 cfg.loss,
@@ -266,6 +297,7 @@ class TorchTrainerBackend:
                 "actor/num_seqs": float(len(batch)),
                 "actor/version": float(self.version),
                 "perf/step_seconds": elapsed,
+                "perf/step_cpu_seconds": time.thread_time() - cpu_started,
                 "perf/tokens_per_second": float(batch.attention_mask.sum()) / max(elapsed, 1e-9),
             }
         )

@@ -112,6 +112,45 @@ def test_tokens_outside_the_loss_mask_do_not_affect_the_update(make_batch) -> No
     assert_same_tensors(results[0], results[1], atol=0.0, rtol=0.0)
 
 
+def test_only_trained_tokens_pass_the_output_layer_and_the_gradient_is_unchanged(
+    make_batch,
+) -> None:
+    """The step scores the loss-masked tokens alone (`Scorer.token_logits`); its gradient is
+    that of the loss over the whole logits (with entropy and a KL penalty in the loss)."""
+    from omniloop.trainer.losses import entropy_from_logits, rl_loss
+    from omniloop.trainer.torch_backend import shifted_logprobs
+
+    batch = make_batch([11, 17, 6], prompt=5, advantages=[1.0, -0.5, 0.7], seed=11)
+    config = {"grad_clip": None, "loss": {"entropy_coef": 0.01, "kl_coef": 0.1}}
+    stepped = backend(**config)
+    stepped.train_step(batch)
+    got = grads(stepped)
+
+    whole = backend(**config)
+    whole.model.zero_grad()
+    logits = whole.scorer.logits(whole.model, batch)
+    with torch.no_grad():
+        assert whole.reference is not None
+        ref_logits = whole.scorer.logits(whole.reference, batch)
+    lp = shifted_logprobs(logits, batch.input_ids, batch.attention_mask)
+    ref = shifted_logprobs(ref_logits, batch.input_ids, batch.attention_mask)
+    entropy = torch.nn.functional.pad(entropy_from_logits(logits)[:, :-1], (1, 0))
+    loss, _ = rl_loss(
+        whole.config.loss,
+        lp,
+        lp.detach(),
+        batch.advantages,
+        batch.loss_mask,
+        rollout_logprobs=batch.rollout_logprobs,
+        ref_logprobs=ref,
+        entropy=entropy,
+        total_tokens=float(batch.loss_mask.sum()),
+        total_seqs=float(len(batch)),
+    )
+    loss.backward()
+    assert_same_tensors(got, grads(whole), atol=1e-5, rtol=1e-4)
+
+
 def test_save_then_load_restores_weights_optimizer_and_version(tmp_path: Path, make_batch) -> None:
     batch = make_batch([10, 13], advantages=[1.0, -1.0], seed=11)
     a = backend(lr=1e-3, warmup_steps=5)

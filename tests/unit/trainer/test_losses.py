@@ -390,24 +390,29 @@ def test_micro_batch_losses_and_gradients_sum_to_the_full_batch(
     torch.testing.assert_close(split_lp.grad, full_lp.grad)
 
 
-def test_shifted_entropy_scores_only_the_masked_tokens_and_keeps_their_gradient() -> None:
-    from omniloop.trainer.torch_backend import shifted_entropy
+def test_trained_tokens_are_scored_from_the_logits_before_them() -> None:
+    from omniloop.trainer.torch_backend import at_tokens, shifted_logprobs, trained_tokens
 
     torch.manual_seed(0)
     logits = torch.randn(3, 7, 50, requires_grad=True)
+    ids = torch.randint(0, 50, (3, 7))
     mask = torch.tensor(
         [[0, 0, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]],
         dtype=torch.float32,
     )
-    got = shifted_entropy(logits, mask)
+    rows, positions = trained_tokens(mask)
     # Token i was drawn from the distribution at i - 1.
-    every = torch.nn.functional.pad(entropy_from_logits(logits)[:, :-1], (1, 0))
-    expected = torch.where(mask != 0, every, 0.0)
-    torch.testing.assert_close(got, expected)
-    got.sum().backward()
+    picked = logits[rows, positions - 1]
+    got_lp = at_tokens(token_logprobs(picked, ids[rows, positions]), rows, positions, mask.shape)
+    got_entropy = at_tokens(entropy_from_logits(picked), rows, positions, mask.shape)
+    every_lp = shifted_logprobs(logits, ids, torch.ones_like(ids))
+    every_entropy = torch.nn.functional.pad(entropy_from_logits(logits)[:, :-1], (1, 0))
+    torch.testing.assert_close(got_lp, torch.where(mask != 0, every_lp, 0.0))
+    torch.testing.assert_close(got_entropy, torch.where(mask != 0, every_entropy, 0.0))
+    (got_lp + got_entropy).sum().backward()
     assert logits.grad is not None
     seen = logits.grad.clone()
     logits.grad = None
-    expected.sum().backward()
+    (torch.where(mask != 0, every_lp + every_entropy, 0.0)).sum().backward()
     torch.testing.assert_close(seen, logits.grad)
     assert not seen[2].any(), "a row with nothing masked was scored"
