@@ -27,8 +27,10 @@ import asyncio
 import base64
 import contextlib
 import dataclasses
-import math
+import logging
+import os
 import random
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +49,9 @@ from omniloop.platform.control.components import episode_plan
 from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
 from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
 from omniloop.platform.control.faults import Retry
-from omniloop.platform.control.rollout import write_trajectory
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.staleness import StalenessGate
+from omniloop.platform.control.writer import EpisodeWriter
 from omniloop.platform.data import MicroBatch
 from omniloop.rewards import RewardFn
 from omniloop.trainer.backend import TrainerBackend
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
     from omniloop.platform.store import AsyncStore
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 ADVANTAGE_FIELDS = ("reward", "loss_mask", "meta")
 """What the advantage stage reads."""
@@ -95,14 +98,15 @@ def train_fields(config: RunConfig) -> tuple[str, ...]:
 
 class TorchThread:
     """One thread of its own for a role's torch work. OpenMP's thread count is a setting of
-    the thread that makes it, so `trainer_threads` holds only in the thread it was set in."""
+    the thread that makes it, so `trainer_threads` holds only in the thread it was set in;
+    `nice`, when given, is the thread's scheduling priority (`trainer_nice`)."""
 
-    def __init__(self, threads: int | None, name: str) -> None:
+    def __init__(self, threads: int | None, name: str, nice: int | None = None) -> None:
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix=name,
-            initializer=_set_torch_threads,
-            initargs=(threads,),
+            initializer=_prepare_thread,
+            initargs=(threads, nice, name),
         )
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -148,11 +152,12 @@ class EpisodeRunner:
 
     `run(step, index, attempt)` runs episode `index` of step `step`'s plan, writes its rollout
     fields and reward to partition `step`, appends it to `trajectories/step_{step}.jsonl` and
-    records it in the run store. Writes are keyed by trajectory id, which the attempt does not
-    change, so an episode re-run after a failure replaces its earlier row. An episode whose
-    work died with a replica of another role (its sandbox with the sandbox replica: the
-    error's `failed_role`) is not written: `run` raises `RoleLost`, and the caller runs it
-    again.
+    records it in the run store (`EpisodeWriter`: episodes that end together are written
+    together), and returns once it is written. Writes are keyed by trajectory id, which the
+    attempt does not change, so an episode re-run after a failure replaces its earlier row.
+    An episode whose work died with a replica of another role (its sandbox with the sandbox
+    replica: the error's `failed_role`) is not written: `run` raises `RoleLost`, and the
+    caller runs it again.
     """
 
     def __init__(
@@ -176,10 +181,12 @@ class EpisodeRunner:
         self._engine = engine
         self._sandboxes = sandboxes
         self._data = data
-        self._store = store
         self._limit = asyncio.Semaphore(config.rollout.concurrency)
         self._out_dir = Path(config.rollout.output)
         self._out_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = EpisodeWriter(
+            data, store, self._out_dir, run_id=config.run_id or "", agent=config.rollout.agent
+        )
 
     def plan(self, step: int) -> list[tuple[Task, EpisodeSettings]]:
         """Step `step`'s episodes, in their stable order."""
@@ -207,16 +214,7 @@ class EpisodeRunner:
         error = trajectory.meta.error
         if error is not None and error.failed_role is not None:
             raise RoleLost(f"step {step} episode {index}: {error.message}", error.failed_role)
-        await self._data.put_rollout(step, [trajectory])
-        failed = trajectory.is_infra_failure or trajectory.reward is None
-        reward = math.nan if failed else trajectory.reward
-        await self._data.put_field(step, [trajectory.id], "reward", [reward])
-        with (self._out_dir / f"step_{step}.jsonl").open("a") as stream:
-            write_trajectory(stream, trajectory)
-        if self._store is not None:
-            await self._store.record_episodes(
-                self._config.run_id or "", [trajectory], agent=self._config.rollout.agent
-            )
+        await self._writer.write(step, trajectory)
         return EpisodeSummary.of(trajectory)
 
     async def close_step(self, step: int) -> None:
@@ -458,7 +456,7 @@ class LocalActor:
         self._restored_from: int | None = None
         self._from_lost_weights = 0
         # The backend's work runs in one thread of its own, set to `trainer_threads`.
-        self._compute = TorchThread(config.trainer_threads, "trainer")
+        self._compute = TorchThread(config.trainer_threads, "trainer", config.trainer_nice)
         self._fields = train_fields(config)
 
     def close(self) -> None:
@@ -505,6 +503,7 @@ class LocalActor:
             # The backend's own timing keys describe the optimizer step alone.
             renames = {
                 "perf/step_seconds": "perf/train_seconds",
+                "perf/step_cpu_seconds": "perf/train_cpu_seconds",
                 "perf/tokens_per_second": "perf/train_tokens_per_second",
             }
             metrics = {renames.get(k, k): v for k, v in raw.items()}
@@ -568,9 +567,21 @@ class LocalActor:
         return int(position["step"])
 
 
-def _set_torch_threads(threads: int | None) -> None:
+def _prepare_thread(threads: int | None, nice: int | None, name: str) -> None:
     if threads is not None:
         torch.set_num_threads(threads)
+    if nice is not None:
+        set_thread_nice(nice, name)
+
+
+def set_thread_nice(nice: int, name: str) -> None:
+    """Give the calling thread scheduling priority `nice` (Linux schedules threads, so this
+    leaves the process's other threads as they are). A priority above the default needs
+    CAP_SYS_NICE: without it the thread keeps its own, and a warning says so."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as err:
+        log.warning("%s thread: could not set nice %d (%s); it keeps its priority", name, nice, err)
 
 
 def _python_rng_state() -> list[Any]:

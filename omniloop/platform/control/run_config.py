@@ -154,6 +154,13 @@ class RunConfig(StrictModel):
     """torch threads of the trainer's optimizer steps (wherever the actor runs); None leaves
     torch's default. On a small machine give the engine and the trainer one thread each:
     OpenMP threads competing for the same cores wait on each other."""
+    trainer_nice: int | None = Field(default=-10, ge=-20, le=19)
+    """Scheduling priority (nice) of the thread that runs the optimizer steps, wherever the
+    actor runs; None leaves it. When rollouts overlap training, the optimizer step bounds the
+    step, and on a machine the roles share, every runnable process gets an equal share of the
+    cores: at the default priority the trainer's thread ran at half speed beside the rollout's
+    processes (engine, sandboxes, rewards, data plane). Below 0 needs CAP_SYS_NICE (root);
+    without it the thread keeps its priority and the actor's log says so."""
     ray_address: str | None = None
     """Ray cluster to run on: an address (`auto` for the one `ray start` made on this host,
     `ray://head:10001`, `127.0.0.1:6379`); None starts a private local instance for the run."""

@@ -228,8 +228,14 @@ class DataBus(Protocol):
     `restore_consumed` too.
     """
 
-    async def put_rollout(self, step: int, trajectories: Sequence[Trajectory]) -> list[str]:
-        """Write the rollout fields of `trajectories` into partition `step`; return their ids.
+    async def put_rollout(
+        self,
+        step: int,
+        trajectories: Sequence[Trajectory],
+        extra: Mapping[str, Sequence[Any]] | None = None,
+    ) -> list[str]:
+        """Write the rollout fields of `trajectories` (and the fields of `extra`, one value
+        per trajectory, such as `reward`) into partition `step` in one put; return their ids.
 
         Writing an id again overwrites its row and never adds one. Raises
         `PartitionClosedError` once `close_partition(step)` was called.

@@ -248,17 +248,33 @@ class DataPlane:
 
     # ------------------------------------------------------------------ writers
 
-    async def put_rollout(self, step: int, trajectories: Sequence[Trajectory]) -> list[str]:
+    async def put_rollout(
+        self,
+        step: int,
+        trajectories: Sequence[Trajectory],
+        extra: Mapping[str, Sequence[Any]] | None = None,
+    ) -> list[str]:
         """Write the rollout fields of `trajectories` into partition `step`; return their ids.
 
-        Every trajectory is `check()`ed first. An id written again (in the same call or a
-        later one) overwrites its row: one row per id. Raises `PartitionClosedError` once the
-        partition was closed, since a reader may already have drained it.
+        `extra` holds further fields of the same rows (one value per trajectory, in order),
+        written in the same put: a rollout that scored its episode writes `reward` with it, so
+        a row is never seen without it. Every trajectory is `check()`ed first. An id written
+        again (in the same call or a later one) overwrites its row: one row per id. Raises
+        `PartitionClosedError` once the partition was closed, since a reader may already have
+        drained it.
         """
         self._check_open()
         if not trajectories:
             return []
-        unique = {t.id: t for t in trajectories}
+        extra = dict(extra or {})
+        for name, values in extra.items():
+            if len(values) != len(trajectories):
+                raise ValueError(
+                    f"{len(trajectories)} trajectories but {len(values)} values for {name!r}"
+                )
+        # The last of repeated ids wins, for the extra fields as for the rollout's.
+        index = {t.id: i for i, t in enumerate(trajectories)}
+        unique = {tid: trajectories[i] for tid, i in index.items()}
         for traj in unique.values():
             traj.check()
         partition = partition_id(step)
@@ -271,6 +287,8 @@ class DataPlane:
             name: _encode(FIELDS[name], values)
             for name, values in rollout_values(list(unique.values())).items()
         }
+        for name, values in extra.items():
+            columns[name] = _encode(field_spec(name), [values[index[i]] for i in ids])
         await self._write(partition, ids, columns, create=True)
         return ids
 
@@ -612,6 +630,9 @@ def _ensure_ray(config: DataPlaneConfig) -> tuple[bool, str | None]:
     # loops). A private instance runs them at the driver's priority; a cluster joined by
     # address keeps its own setting.
     os.environ.setdefault("RAY_worker_niceness", "0")
+    # Serve's controller reconciles every deployment ten times a second by default, a tenth
+    # of a core on a small machine; twice a second still notices a dead replica at once.
+    os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
     # The queue's actors inherit this; at INFO they print request statistics every five
     # minutes into the run's console. Warnings and errors still show.
     os.environ.setdefault("TQ_LOGGING_LEVEL", "WARNING")

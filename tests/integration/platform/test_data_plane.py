@@ -235,6 +235,26 @@ async def test_repeated_writes_do_not_duplicate_rows(
     assert rows == {ids[0]: 0.0, ids[1]: 6.0, ids[2]: 0.0}
 
 
+async def test_a_rollout_writes_its_reward_in_the_same_put(
+    plane: DataPlane, writer: DataPlane, step: int
+) -> None:
+    trajs = [make_trajectory(e) for e in range(3)]
+    # The same trajectory twice: the last one's reward wins, as its rollout fields do.
+    ids = await writer.put_rollout(
+        step, [*trajs, trajs[1]], extra={"reward": [1.0, 2.0, float("nan"), 4.0]}
+    )
+    assert ids == [t.id for t in trajs]
+    with pytest.raises(ValueError, match="3 trajectories but 2 values for 'reward'"):
+        await writer.put_rollout(step, trajs, extra={"reward": [1.0, 2.0]})
+    await writer.close_partition(step)
+
+    batches = await collect(plane, step, ["input_ids", "reward"], 3)
+    rows = {i: mb["reward"][k].item() for mb in batches for k, i in enumerate(mb.ids)}
+    assert rows[ids[0]] == 1.0
+    assert rows[ids[1]] == 4.0
+    assert rows[ids[2]] != rows[ids[2]]  # NaN: an infrastructure failure's reward
+
+
 async def test_exactly_once_across_a_restore(
     plane: DataPlane, writer: DataPlane, step: int
 ) -> None:

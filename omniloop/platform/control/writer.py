@@ -1,0 +1,89 @@
+"""Where a finished episode goes, written for many episodes at once.
+
+A rollout writes each finished episode three times: its row in the data plane (the rollout
+fields and the reward, in one put), a line in the step's trajectory file, and a record in the
+run store. Each write costs about the same for one episode as for thirty (a data-plane put is
+three round trips to the queue; a store write is one transaction), and a step's episodes end in
+bursts, so `EpisodeWriter` commits them as a group: the first episode is written at once, and
+those that finish while a write is under way are written together by the next one. Nothing
+waits for a timer, and an episode is never reported done before it is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omniloop.platform.control.rollout import write_trajectory
+from omniloop.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from omniloop.platform.data import DataPlane
+    from omniloop.platform.store import AsyncStore
+
+
+class EpisodeWriter:
+    """Writes finished episodes to the data plane, the trajectory files and the store.
+
+    `write(step, trajectory)` returns once the episode is written everywhere, and raises what
+    its group's write raised (the episode then counts as not written: whoever ran it may run it
+    again, and since rows and records are keyed by trajectory id, a repeat replaces them). An
+    infrastructure failure, or an episode without a reward, is written with reward NaN.
+    """
+
+    def __init__(
+        self,
+        data: DataPlane,
+        store: AsyncStore | None,
+        out_dir: Path,
+        *,
+        run_id: str,
+        agent: str,
+    ) -> None:
+        self._data = data
+        self._store = store
+        self._out_dir = out_dir
+        self._run_id = run_id
+        self._agent = agent
+        self._waiting: list[tuple[int, Trajectory, asyncio.Future[None]]] = []
+        self._committing: asyncio.Task[None] | None = None
+
+    async def write(self, step: int, trajectory: Trajectory) -> None:
+        """Write `trajectory` as an episode of step `step` (class docstring)."""
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((step, trajectory, written))
+        if self._committing is None or self._committing.done():
+            self._committing = asyncio.create_task(self._commit())
+        # Shielded: an episode whose caller gives up is still written with its group.
+        await asyncio.shield(written)
+
+    async def _commit(self) -> None:
+        while self._waiting:
+            group, self._waiting = self._waiting, []
+            by_step: dict[int, list[tuple[Trajectory, asyncio.Future[None]]]] = {}
+            for step, trajectory, written in group:
+                by_step.setdefault(step, []).append((trajectory, written))
+            for step, entries in by_step.items():
+                try:
+                    await self._write_group(step, [trajectory for trajectory, _ in entries])
+                except Exception as err:
+                    for _, written in entries:
+                        if not written.done():
+                            written.set_exception(err)
+                else:
+                    for _, written in entries:
+                        if not written.done():
+                            written.set_result(None)
+
+    async def _write_group(self, step: int, trajectories: list[Trajectory]) -> None:
+        rewards = [
+            math.nan if t.is_infra_failure or t.reward is None else t.reward for t in trajectories
+        ]
+        await self._data.put_rollout(step, trajectories, extra={"reward": rewards})
+        with (self._out_dir / f"step_{step}.jsonl").open("a") as stream:
+            for trajectory in trajectories:
+                write_trajectory(stream, trajectory)
+        if self._store is not None:
+            await self._store.record_episodes(self._run_id, trajectories, agent=self._agent)
