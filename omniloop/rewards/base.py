@@ -56,6 +56,16 @@ Transcript = Sequence[Mapping[str, Any]]
 """An episode's chat messages, each at least `{"role": ..., "content": ...}`."""
 
 _INJECTABLE = frozenset({"task", "response", "transcript", "trajectory", "traj"})
+EPISODE_INPUTS = frozenset({"task", "response", "transcript", "trajectory"})
+"""Everything a reward can be given of an episode (the keyword names of `evaluate`)."""
+
+
+def reward_inputs(fn: RewardFn) -> frozenset[str]:
+    """What of an episode `fn` reads: its `inputs` attribute when it declares one (a subset of
+    `EPISODE_INPUTS`), else everything. A caller that ships episodes to a reward elsewhere
+    (the reward role) sends only these."""
+    declared = getattr(fn, "inputs", None)
+    return EPISODE_INPUTS if declared is None else frozenset(declared)
 
 
 class RewardScore(NamedTuple):
@@ -169,6 +179,12 @@ class Reward(Generic[P, R]):
                     f"reward {self.name!r}: parameter {param.name!r} cannot be filled; a reward "
                     f"takes any of {sorted(_INJECTABLE)} by name (or **kwargs)"
                 )
+        self.inputs = (
+            EPISODE_INPUTS
+            if self._wants_all
+            else frozenset("trajectory" if name == "traj" else name for name in self._wanted)
+        )
+        """What of an episode the function declared (`reward_inputs`)."""
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         return self.fn(*args, **kwargs)
@@ -360,6 +376,7 @@ class CombinedReward:
     ) -> None:
         self.rewards = list(rewards)
         self.weights = [float(w) for w in weights]
+        self.inputs = frozenset[str]().union(*(reward_inputs(r) for r in self.rewards))
         self.name = name
         self.weight = float(weight)
         self.timeout = timeout

@@ -117,6 +117,9 @@ def _reference_answers(task: dict[str, Any], key: str, reward_name: str) -> list
 class ExactMatch:
     """1.0 when the final answer equals the task's answer after `normalize_answer`, else 0.0."""
 
+    inputs = frozenset({"task", "response"})
+    """What of an episode it reads (`reward_inputs`)."""
+
     def __init__(
         self,
         *,
@@ -298,6 +301,9 @@ class MathEqual:
     loop: `parsing_timeout` and `verify_timeout` are its own limits (whole seconds), and a
     worker that exceeds all of them together is killed and the reward raises `RewardError`.
     """
+
+    inputs = frozenset({"task", "response"})
+    """What of an episode it reads (`reward_inputs`)."""
 
     def __init__(
         self,

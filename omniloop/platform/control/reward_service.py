@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from omniloop.rewards import RewardFn
-from omniloop.rewards.base import RewardScore, Transcript, as_reward_fn
+from omniloop.rewards.base import RewardScore, Transcript, as_reward_fn, reward_inputs
 from omniloop.trajectory import Trajectory
 
 HANG_GRACE_S = 5.0
@@ -106,6 +106,7 @@ class RemoteReward:
         self.name = fn.name
         self.weight = fn.weight
         self.timeout = fn.timeout
+        self.inputs = reward_inputs(fn)
         self._handle = handle
 
     async def evaluate(
@@ -118,6 +119,11 @@ class RemoteReward:
     ) -> RewardScore:
         from ray.serve.exceptions import BackPressureError
 
+        # Only what the function reads travels (a trajectory is the bulk of an episode).
+        if "transcript" not in self.inputs:
+            transcript = None
+        if "trajectory" not in self.inputs:
+            trajectory = None
         while True:
             call = self._handle.evaluate.remote(self.name, task, response, transcript, trajectory)
             try:

@@ -25,6 +25,7 @@ from omniloop.rewards import (
     reward,
     score,
 )
+from omniloop.rewards.base import EPISODE_INPUTS, as_reward_fn, reward_inputs
 from omniloop.tools import format_tool_call
 from omniloop.trajectory import ToolCallRecord, Trajectory, TrajectoryBuilder, TrajectoryMeta
 
@@ -248,6 +249,32 @@ async def test_combine_weights_members_and_nests_their_components():
         "total/style/length": 1.0,
         "total/style/tone": 0.0,
     }
+
+
+def test_a_reward_declares_what_of_an_episode_it_reads():
+    @reward
+    def by_answer(task: dict, response: str) -> float:
+        return 1.0
+
+    @reward
+    def by_tokens(traj: Trajectory) -> float:
+        return 1.0
+
+    @reward
+    def anything(**inputs: Any) -> float:
+        return 1.0
+
+    def plain(response: str) -> float:
+        return 1.0
+
+    assert reward_inputs(by_answer) == {"task", "response"}
+    assert reward_inputs(by_tokens) == {"trajectory"}
+    assert reward_inputs(anything) == EPISODE_INPUTS
+    assert reward_inputs(as_reward_fn(plain)) == {"response"}
+    assert reward_inputs(combine(by_answer, by_tokens)) == {"task", "response", "trajectory"}
+    assert reward_inputs(exact_match) == {"task", "response"}
+    # A reward that declares nothing is given everything.
+    assert reward_inputs(format_reward) == EPISODE_INPUTS
 
 
 async def test_combine_uses_member_weights_by_default_and_propagates_failures():
