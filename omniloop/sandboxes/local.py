@@ -123,65 +123,83 @@ class LocalSandboxd:
                 self._sandboxes = None
 
     async def _start(self) -> RemoteSandboxes:
-        from omniloop.sandboxes.service import SandboxdSettings
-
         if self._proc is not None:
             await asyncio.to_thread(_stop, self._proc)
-        token = secrets.token_urlsafe(24)
-        config = self._config
-        settings = SandboxdSettings(
+        self._proc, url, token = await start_sandboxd(
+            self._config,
             host="127.0.0.1",
-            port=0,
-            token=token,
-            default_image=config.image,
-            default_backend=config.backend,
-            limits=config.limits,
-            pool_size=config.pool_size,
-            pool_images=[config.image] if config.pool_size else [],
+            log_path=self._log_path,
+            startup_timeout=self._startup_timeout,
         )
-        with socket.socket() as listener:
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(128)
-            port = listener.getsockname()[1]
-            env = {
-                **os.environ,
-                _SETTINGS_ENV: settings.model_dump_json(),
-                _FD_ENV: str(listener.fileno()),
-            }
-            command = [sys.executable, "-m", "omniloop.sandboxes.local"]
-            # Started from this (the event loop's) thread: the child dies with it.
-            if self._log_path is not None:
-                with self._log_path.open("ab") as log:
-                    self._proc = _spawn(command, env, listener.fileno(), log)
-            else:
-                self._proc = _spawn(command, env, listener.fileno(), None)
-        url = f"http://127.0.0.1:{port}"
-        await self._wait_ready(url, self._proc)
-        return RemoteSandboxes(SandboxClient(url, token=token), config)
+        return RemoteSandboxes(SandboxClient(url, token=token), self._config)
 
-    async def _wait_ready(self, url: str, proc: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + self._startup_timeout
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            while True:
-                if proc.poll() is not None:
-                    where = f"; see {self._log_path}" if self._log_path else ""
-                    raise SandboxError(
-                        f"the local sandboxd exited with {proc.returncode} while starting{where}"
-                    )
-                try:
-                    response = await http.get(f"{url}/readyz")
-                    if response.status_code == 200:
-                        return
-                    why = response.text[:300]
-                except httpx.HTTPError as err:
-                    why = repr(err)
-                if time.monotonic() > deadline:
-                    await asyncio.to_thread(_stop, proc)
-                    raise SandboxError(
-                        f"the local sandboxd at {url} was not ready after "
-                        f"{self._startup_timeout:.0f}s: {why}"
-                    )
-                await asyncio.sleep(0.1)
+
+async def start_sandboxd(
+    config: SandboxConfig,
+    *,
+    host: str,
+    log_path: Path | None = None,
+    startup_timeout: float = 60.0,
+) -> tuple[subprocess.Popen[bytes], str, str]:
+    """Start sandboxd as a child process serving `config`'s backend, image, limits and warm
+    pool on `host`, on a socket bound here (no port race), with a bearer token made for it;
+    return it once ready, with its URL and token. Call it from the thread the child should
+    die with (an event loop's): the kernel sends the child SIGKILL when that thread ends."""
+    from omniloop.sandboxes.service import SandboxdSettings
+
+    if config.backend == "auto":
+        raise ValueError("sandboxd needs a resolved backend, not `auto`")
+    token = secrets.token_urlsafe(24)
+    settings = SandboxdSettings(
+        host=host,
+        port=0,
+        token=token,
+        default_image=config.image,
+        default_backend=config.backend,
+        limits=config.limits,
+        pool_size=config.pool_size,
+        pool_images=[config.image] if config.pool_size else [],
+    )
+    with socket.socket() as listener:
+        listener.bind((host, 0))
+        listener.listen(128)
+        port = listener.getsockname()[1]
+        env = {
+            **os.environ,
+            _SETTINGS_ENV: settings.model_dump_json(),
+            _FD_ENV: str(listener.fileno()),
+        }
+        command = [sys.executable, "-m", "omniloop.sandboxes.local"]
+        if log_path is not None:
+            with log_path.open("ab") as log:
+                proc = _spawn(command, env, listener.fileno(), log)
+        else:
+            proc = _spawn(command, env, listener.fileno(), None)
+    url = f"http://{host}:{port}"
+    await _wait_ready(url, proc, startup_timeout, log_path)
+    return proc, url, token
+
+
+async def _wait_ready(
+    url: str, proc: subprocess.Popen[bytes], timeout: float, log_path: Path | None
+) -> None:
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            if proc.poll() is not None:
+                where = f"; see {log_path}" if log_path else ""
+                raise SandboxError(f"sandboxd exited with {proc.returncode} while starting{where}")
+            try:
+                response = await http.get(f"{url}/readyz")
+                if response.status_code == 200:
+                    return
+                why = response.text[:300]
+            except httpx.HTTPError as err:
+                why = repr(err)
+            if time.monotonic() > deadline:
+                await asyncio.to_thread(_stop, proc)
+                raise SandboxError(f"sandboxd at {url} was not ready after {timeout:.0f}s: {why}")
+            await asyncio.sleep(0.1)
 
 
 def _spawn(

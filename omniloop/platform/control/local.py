@@ -232,7 +232,10 @@ class StepRollout:
     `retry` says the failure was the replica's, not the episode's.
 
     `begin(step)` runs before the step's first episode, `close(step)` once all have been
-    written. `on_start(step, n)` and `on_episode(step, 1)` report progress.
+    written. `on_start(step, n)` and `on_episode(step, 1)` report progress. At most
+    `concurrency` episodes are asked for at once, across all steps in flight: the rest wait
+    here, and start the moment one ends (on Ray Serve, a request sent to replicas that are all
+    full waits in the router, which looks again after a backoff of up to half a second).
     """
 
     def __init__(
@@ -240,6 +243,7 @@ class StepRollout:
         episodes_per_step: int,
         episode: EpisodeCall,
         *,
+        concurrency: int,
         begin: Callable[[int], Awaitable[None]],
         close: Callable[[int], Awaitable[None]],
         retry: Retry,
@@ -248,6 +252,7 @@ class StepRollout:
     ) -> None:
         self._count = episodes_per_step
         self._episode = episode
+        self._running = asyncio.Semaphore(concurrency)
         self._begin = begin
         self._close = close
         self._retry = retry
@@ -267,11 +272,11 @@ class StepRollout:
         return RolloutReport(step, episodes, time.perf_counter() - started, retried=retried)
 
     async def _one(self, step: int, index: int) -> EpisodeSummary:
-        summary = await self._retry.call(
-            "rollout",
-            lambda attempt: self._episode(step, index, attempt),
-            what=f"step {step} episode {index}",
-        )
+        async def run(attempt: int) -> EpisodeSummary:
+            async with self._running:
+                return await self._episode(step, index, attempt)
+
+        summary = await self._retry.call("rollout", run, what=f"step {step} episode {index}")
         self._on_episode(step, 1)
         return summary
 

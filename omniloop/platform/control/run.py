@@ -261,6 +261,7 @@ async def local_roles(
         rollout = StepRollout(
             config.tasks_per_step * config.rollout.samples_per_task,
             runner.run,
+            concurrency=config.rollout.concurrency,
             begin=begin,
             close=runner.close_step,
             retry=retry,

@@ -502,6 +502,7 @@ async def service_roles(
             rollout=StepRollout(
                 episodes,
                 episode,
+                concurrency=config.rollout.concurrency,
                 begin=open_step,
                 close=close_step,
                 retry=retry,
