@@ -13,6 +13,15 @@ are medians over the rounds. A sync's time runs from `publish` to every engine h
 transfer. CPU seconds of this process and of the engine, and the load average, are reported
 because on a shared machine wall time alone is noise.
 
+Then, under load: `--lanes` requests keep generating on the engine (64 tokens each, sampled,
+one after another per lane) while the trainer publishes `--load-syncs` times in each
+`update_mode`. `stall_ms` is the median time generation stood still per in-place sync (from
+every engine paused to every engine continued, as the trainer saw it: the load and two HTTP
+round trips); `drain_publish_s` the median publish time in drain mode, which waits for the
+running requests first; `aborted_requests` counts requests that ended `abort`, in both modes
+(the invariant is 0); `mid_response_updates` counts responses sampled by two versions (proof
+that in-place updates landed while requests decoded).
+
     .venv/bin/python bench/weight_sync.py [--model smollm2] [--repeats 3] [--bucket-mb 256]
 """
 
@@ -98,6 +107,59 @@ def load_weights(model: str) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in state.items() if not n.endswith("rotary_emb.inv_freq")]
 
 
+async def under_load(
+    url: str, named: list[tuple[str, torch.Tensor]], version: int, args: argparse.Namespace
+) -> tuple[dict[str, Any], int]:
+    """Publish `args.load_syncs` times per update mode while `args.lanes` requests generate."""
+    from omniloop.inference.base import GenerateOutput, SamplingParams
+    from omniloop.inference.client import EngineClient
+    from omniloop.trainer.weight_sync import DistributedWeightSync
+
+    results: dict[str, Any] = {}
+    async with EngineClient(url, timeout=600) as client:
+        for mode in ("in_place", "drain"):
+            sync = DistributedWeightSync(
+                [url], bucket_mb=args.bucket_mb, timeout_s=600, update_mode=mode
+            )
+            outputs: list[GenerateOutput] = []
+            stop = asyncio.Event()
+
+            async def lane(
+                i: int, outputs: list[GenerateOutput] = outputs, stop: asyncio.Event = stop
+            ) -> None:
+                seed = i * 100_000
+                while not stop.is_set():
+                    seed += 1
+                    sampling = SamplingParams(max_new_tokens=64, temperature=1.0, seed=seed)
+                    outputs.append(await client.generate([1, 504, 2114, 282, 4649 + i], sampling))
+
+            version += 1
+            await sync.publish(named, version)  # builds the process group
+            lanes = [asyncio.create_task(lane(i)) for i in range(args.lanes)]
+            paused: list[float] = []
+            publish: list[float] = []
+            try:
+                await asyncio.sleep(1.0)
+                for _ in range(args.load_syncs):
+                    version += 1
+                    metrics = await sync.publish(named, version)
+                    publish.append(metrics["weight_sync/seconds"])
+                    paused.append(metrics.get("weight_sync/paused_seconds", 0.0))
+                    await asyncio.sleep(0.2)
+            finally:
+                stop.set()
+                await asyncio.gather(*lanes, return_exceptions=True)
+                await sync.close()
+            results[mode] = {
+                "publish_s": round(statistics.median(publish), 4),
+                "paused_ms": round(1000 * statistics.median(paused), 1),
+                "responses": len(outputs),
+                "aborted": sum(o.finish_reason == "abort" for o in outputs),
+                "mid_response_updates": sum(len(set(o.weight_versions)) > 1 for o in outputs),
+            }
+    return results, version
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from omniloop.inference.client import EngineClient
     from omniloop.inference.models import resolve_model
@@ -138,6 +200,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             served = await client.get_weight_version()
         if served != version:
             raise RuntimeError(f"the engine serves version {served}, expected {version}")
+        loaded, version = await under_load(url, named, version, args)
     finally:
         await distributed.close()
         await disk.close()
@@ -174,6 +237,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             for k in cpu_bench
         },
+        "stall_ms": loaded["in_place"]["paused_ms"],
+        "drain_publish_s": loaded["drain"]["publish_s"],
+        "aborted_requests": loaded["in_place"]["aborted"] + loaded["drain"]["aborted"],
+        "under_load": {"lanes": args.lanes, "syncs_per_mode": args.load_syncs, **loaded},
         "threads": args.threads,
         "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()],
@@ -186,6 +253,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both processes")
+    parser.add_argument("--lanes", type=int, default=4, help="requests generating under load")
+    parser.add_argument("--load-syncs", type=int, default=10, help="publishes per mode under load")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)

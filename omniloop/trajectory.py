@@ -9,6 +9,7 @@ arrays (`loss_mask`, `rollout_logprobs`, `weight_version`) can never drift out o
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -196,14 +197,20 @@ class TrajectoryBuilder:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def add_sampled(self, ids: list[int], logprobs: list[float], version: int) -> None:
-        """Append tokens the policy sampled (mask 1)."""
+    def add_sampled(
+        self, ids: list[int], logprobs: list[float], version: int | Sequence[int]
+    ) -> None:
+        """Append tokens the policy sampled (mask 1), with the weight version that sampled
+        them: one for all, or one per token."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} sampled ids but {len(logprobs)} logprobs")
+        versions = [version] * len(ids) if isinstance(version, int) else list(version)
+        if len(versions) != len(ids):
+            raise ValueError(f"{len(ids)} sampled ids but {len(versions)} weight versions")
         self.input_ids.extend(ids)
         self.loss_mask.extend([1] * len(ids))
         self.rollout_logprobs.extend(logprobs)
-        self.weight_version.extend([version] * len(ids))
+        self.weight_version.extend(versions)
 
     def add_observation(self, ids: list[int]) -> None:
         """Append tokens the policy did not sample (mask 0): tool output, template glue."""

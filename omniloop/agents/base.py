@@ -142,7 +142,7 @@ class Session:
         out = await self.engine.generate(list(self.builder.input_ids), params)
         elapsed = time.perf_counter() - started
         start = len(self.builder)
-        self.builder.add_sampled(out.output_ids, out.output_logprobs, out.weight_version)
+        self.builder.add_sampled(out.output_ids, out.output_logprobs, out.weight_versions)
         self.turns.append(
             TurnRecord(
                 start=start,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class SamplingParams(BaseModel):
@@ -47,9 +47,25 @@ class GenerateOutput(BaseModel):
     finish_reason: FinishReason
     """`stop` (stop token or string), `length` (max_new_tokens or context), `abort`."""
     weight_version: int
-    """The weight version that sampled these tokens."""
+    """The weight version that sampled the first of these tokens."""
+    weight_versions: list[int] = Field(default_factory=list)
+    """The weight version that sampled each token (empty: `weight_version` for all). An engine
+    that reports one version per response (SGLang) has it repeated; omniloop's reports a
+    change mid-response (an update that landed in place)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens the engine served from its prefix cache."""
+
+    @model_validator(mode="after")
+    def _one_version_per_token(self) -> GenerateOutput:
+        if not self.weight_versions:
+            self.weight_versions = [self.weight_version] * len(self.output_ids)
+        elif len(self.weight_versions) != len(self.output_ids):
+            raise ValueError(
+                f"{len(self.output_ids)} output ids but {len(self.weight_versions)} weight versions"
+            )
+        return self
 
 
 class Engine(Protocol):

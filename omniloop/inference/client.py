@@ -83,13 +83,23 @@ def parse_generate_output(data: Any) -> GenerateOutput:
     version = parse_weight_version(meta.weight_version)
     if version is None:
         raise EngineError(f"engine weight_version {meta.weight_version!r} is not an integer")
+    versions = meta.output_token_weight_versions
+    if versions is None:
+        versions = [version] * len(ids)
+    elif len(versions) != len(ids):
+        raise EngineError(
+            f"engine result {meta.id!r} has {len(ids)} output ids but {len(versions)} weight "
+            "versions"
+        )
     return GenerateOutput(
         output_ids=ids,
         output_logprobs=[float(lp) for lp in logprobs if lp is not None],
         finish_reason=meta.finish_reason.type,
-        weight_version=version,
+        weight_version=versions[0] if versions else version,
+        weight_versions=versions,
         prompt_tokens=meta.prompt_tokens,
         completion_tokens=meta.completion_tokens,
+        cached_tokens=meta.cached_tokens,
     )
 
 

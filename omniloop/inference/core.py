@@ -18,20 +18,31 @@ Contracts:
   id (the token is kept in `output_ids`), then a stop string found in the decoded tail, then
   `max_new_tokens`, then the context length. SGLang checks `max_new_tokens` first; here a
   stop token that is also the last allowed token reports `stop`, which is the more useful fact.
-- Weight versions: a weight update never lands while a sequence is being decoded. The update
-  stops admission, lets active sequences finish (or aborts them when asked), swaps the weights
-  and bumps the version; only then are waiting requests admitted. So every result was sampled
-  by exactly one version, reported in `GenerationResult.weight_version`. Per-token versions
-  are not implemented.
+- Weight versions, two ways for an update to land (never aborting a request unless asked):
+  - in place, when generation is paused (`pause`, mode `in_place` or `retract`, as a trainer
+    does before it publishes): the weights are swapped between two decode steps, running
+    sequences keep their cached keys and values and go on under the new weights after
+    `resume`. Each token records the version that sampled it (`output_versions`), so a
+    response may change version mid-way, exactly at the update;
+  - drained, otherwise: the update stops admission, lets active sequences finish, swaps the
+    weights and bumps the version; only then are waiting requests admitted, and every result
+    is sampled by one version.
 - Multi-part updates (a trainer broadcasting its weights in buckets): every part but the last
-  is `partial`; after the first part drains the batch, admission stays closed until the last
-  part sets the version, so nothing is sampled with a mix of old and new weights.
+  is `partial`; from the first part on nothing is sampled (drained: admission stays closed;
+  in place: generation is paused anyway) until the last part sets the version, so no token is
+  sampled with a mix of old and new weights.
+- Prefix cache (`prefix_cache.PrefixIndex`): a finished sequence's keys and values are copied
+  into one of `prefix_cache_slots` retained slots; a request whose prompt extends a retained
+  prefix (whole blocks of 16 tokens) copies it back and prefills only the rest, reported as
+  `cached_tokens`. A weight update or `flush_cache` empties it. The outputs are those of a full
+  prefill up to float rounding (the attention over the cached part is computed in another
+  order).
 - Weight-update groups: `init_weights_update_group` joins a trainer's torch.distributed group
   (gloo; its own store and name, never the default group) and
   `update_weights_from_distributed` receives one broadcast bucket on the calling thread, so
   generation goes on while the bytes arrive; only the copy into the model waits for the drain.
 
-Not covered: prefix caching (there is nothing to flush), chunked prefill (a prompt is prefilled
+Not covered: chunked prefill (a prompt is prefilled
 in one forward), preemption, multiple samples per request (`n`), penalties, grammars.
 """
 
@@ -66,6 +77,7 @@ from omniloop.inference.llama import (
     load_weights,
     read_safetensors,
 )
+from omniloop.inference.prefix_cache import PrefixIndex
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -113,6 +125,10 @@ class EngineServerConfig(StrictModel):
     """Most tokens per sequence, prompt included; None: the model's limit, capped at 4096."""
     prefill_tokens: int = Field(default=2048, ge=1)
     """Most prompt tokens packed into one prefill forward (a longer prompt runs alone)."""
+    prefix_cache_slots: int = Field(default=32, ge=0)
+    """Finished sequences whose keys and values are kept for prompts that extend them (the
+    next turn of an episode); 0 turns the prefix cache off. Memory is committed only as
+    slots fill: up to this many times `max_context` positions of keys and values."""
 
 
 @dataclass(frozen=True)
@@ -156,7 +172,13 @@ class GenerationResult:
     """Why a request was aborted."""
     prompt_tokens: int
     weight_version: int
-    """The version of the weights that sampled every token of this result."""
+    """The version of the weights that sampled the first output token (the one the request was
+    admitted under)."""
+    output_versions: list[int]
+    """The version of the weights that sampled each output token: an update applied in place
+    changes it mid-response."""
+    cached_tokens: int
+    """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
     text: str
     """The output decoded (special tokens per the request; a matched stop string trimmed)."""
     token_texts: list[str] | None
@@ -185,8 +207,11 @@ class _Sequence:
     cached: int = 0
     """Tokens whose keys/values are in the cache (the next decode position)."""
     version: int = 0
+    prefix_hit: int = 0
+    """Prompt tokens taken from the prefix cache."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     finish: tuple[FinishType, int | str | None, str | None] | None = None
 
 
@@ -243,6 +268,7 @@ class EngineCore:
         max_context: int | None = None,
         threads: int | None = None,
         prefill_tokens: int = 2048,
+        prefix_cache_slots: int = 32,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
         """Load the model folder's weights and tokenizer; see `EngineServerConfig` for the knobs.
@@ -262,7 +288,9 @@ class EngineCore:
         self.prefill_tokens = prefill_tokens
         self.weights: LlamaWeights = load_weights(self.model_path, self.config)
         self.model = LlamaModel(self.weights, self.max_context)
-        self.cache = KVCache(self.config, max_batch, self.max_context)
+        # Slots 0..max_batch-1 hold the running sequences (packed), the rest retained prefixes.
+        self.cache = KVCache(self.config, max_batch + prefix_cache_slots, self.max_context)
+        self._prefixes = PrefixIndex(range(max_batch, max_batch + prefix_cache_slots))
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.model_path)
         self._weight_version = 0
         self._cv = threading.Condition()
@@ -278,6 +306,8 @@ class EngineCore:
         self._failure: BaseException | None = None
         self.forward_passes = 0
         """Forward passes completed so far (a liveness signal for health checks)."""
+        self.cached_tokens = 0
+        """Prompt tokens served from the prefix cache so far."""
         self._groups: dict[str, _UpdateGroup] = {}
         self._joining: set[str] = set()
         self._groups_lock = threading.Lock()
@@ -407,6 +437,10 @@ class EngineCore:
 
         return self._control(apply)
 
+    def flush_cache(self) -> concurrent.futures.Future[int]:
+        """Empty the prefix cache; resolves to the number of prefixes dropped."""
+        return self._control(self._prefixes.clear)
+
     def update_weights(
         self,
         named: Sequence[tuple[str, torch.Tensor]],
@@ -420,11 +454,12 @@ class EngineCore:
         """Replace weights (Hugging Face names) between sequences, and set the version.
 
         Shapes and names are checked here, before anything changes (`ConfigError`); with
-        `full` every weight must be given. The scheduler then stops admitting requests, waits
-        for running sequences to finish (or aborts them with `abort_all`), copies the tensors
-        in, and sets the version to `version` or, when None, to the current one plus 1. If
-        generation is paused with sequences in flight (and not `abort_all`), the update fails
-        with `EngineError` rather than wait for a `resume` that cannot come first.
+        `full` every weight must be given. While generation is paused the update lands in
+        place at once: running sequences keep their keys and values and go on under the new
+        weights after `resume`. Otherwise the scheduler stops admitting requests and waits for
+        running sequences to finish (or aborts them with `abort_all`) first. It then copies the
+        tensors in, empties the prefix cache, and sets the version to `version` or, when None,
+        to the current one plus 1.
 
         `partial`: this is one part of a multi-part update. It is applied as above but leaves
         the version alone (`version` is ignored) and keeps admission closed afterwards, so
@@ -775,24 +810,18 @@ class EngineCore:
         return len(victims)
 
     def _apply_update(self) -> bool:
-        """Apply the first pending update if no sequence is running; True when done."""
+        """Apply the first pending update, in place if generation is paused, else once no
+        sequence runs; True when every pending update is done."""
         update = self._updates[0]
         aborted = 0
         if update.abort_all:
             aborted = self._abort_all("generation aborted for a weight update")
-        if self._active:
-            if not self._paused:
-                return False
-            self._updates.popleft()
-            update.future.set_exception(
-                EngineError(
-                    f"generation is paused with {len(self._active)} requests in flight; "
-                    "continue generation first, pause with mode=abort, or pass "
-                    "abort_all_requests=true"
-                )
-            )
-            return False
+        if self._active and not self._paused:
+            return False  # drained: the running sequences finish under the old weights first
         self._updates.popleft()
+        # Keys and values of the old weights serve no new request (the running sequences keep
+        # theirs: an update in place goes on from them).
+        self._prefixes.clear()
         try:
             self.weights.load(update.named)
         except Exception as err:
@@ -853,7 +882,18 @@ class EngineCore:
     def _prefill(self, seqs: list[_Sequence]) -> None:
         base = len(self._active)
         slots = list(range(base, base + len(seqs)))
-        logits = self.model.prefill(self.cache, slots, [s.req.input_ids for s in seqs])
+        for seq, slot in zip(seqs, slots, strict=True):
+            hit = self._prefixes.lookup(seq.req.input_ids)
+            if hit is not None:
+                held, seq.prefix_hit = hit
+                self.cache.move(held, slot, seq.prefix_hit)
+                self.cached_tokens += seq.prefix_hit
+        logits = self.model.prefill(
+            self.cache,
+            slots,
+            [s.req.input_ids[s.prefix_hit :] for s in seqs],
+            offsets=[s.prefix_hit for s in seqs],
+        )
         for seq, slot in zip(seqs, slots, strict=True):
             seq.slot = slot
             seq.cached = len(seq.req.input_ids)
@@ -875,12 +915,24 @@ class EngineCore:
         for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            seq.versions.append(self._weight_version)
             seq.finish = self._check_finish(seq)
             if seq.finish is not None:
                 done.append(seq)
         for seq in done:
+            self._retain(seq)
             self._remove(self._active.index(seq))
             self._deliver(seq)
+
+    def _retain(self, seq: _Sequence) -> None:
+        """Keep the keys and values `seq` computed for a prompt that extends it. Only those of
+        the weights now loaded: a sequence that ran across an update in place is not kept."""
+        if seq.versions and seq.versions[0] != self._weight_version:
+            return
+        tokens = [*seq.req.input_ids, *seq.output_ids][: seq.cached]
+        target = self._prefixes.store(tokens)
+        if target is not None:
+            self.cache.move(seq.slot, *target)
 
     def _check_finish(self, seq: _Sequence) -> tuple[FinishType, int | str | None, None] | None:
         req = seq.req
@@ -936,6 +988,8 @@ class EngineCore:
                 finish_message=message,
                 prompt_tokens=len(req.input_ids),
                 weight_version=seq.version,
+                output_versions=list(seq.versions),
+                cached_tokens=seq.prefix_hit,
                 text=text,
                 token_texts=token_texts,
                 e2e_latency=time.perf_counter() - seq.submitted,
@@ -1112,4 +1166,5 @@ def build_core(config: EngineServerConfig) -> EngineCore:
         max_context=config.max_context,
         threads=config.threads,
         prefill_tokens=config.prefill_tokens,
+        prefix_cache_slots=config.prefix_cache_slots,
     )

@@ -428,35 +428,54 @@ class LlamaModel:
         slots: Sequence[int],
         prompts: Sequence[Sequence[int]],
         *,
+        offsets: Sequence[int] | None = None,
         all_logits: bool = False,
     ) -> torch.Tensor:
-        """Run whole prompts from position 0, writing their keys/values into `slots`.
+        """Run prompts, writing their keys/values into `slots`.
 
-        The prompts are packed into one [sum(T), hidden] activation so every linear layer reads
-        its weights once; attention runs per prompt (causal). Returns the last position's
-        logits per prompt [P, vocab], or with `all_logits` every position's [sum(T), vocab].
+        `offsets[i]`: positions of slot `slots[i]` that already hold the keys/values of the
+        tokens before `prompts[i]` (a cached prefix; 0 by default): the prompt's tokens take the
+        positions after them and attend to them too. The prompts are packed into one
+        [sum(T), hidden] activation so every linear layer reads its weights once; attention
+        runs per prompt (causal). Returns the last position's logits per prompt [P, vocab], or
+        with `all_logits` every position's [sum(T), vocab].
         """
         self._refresh()
         lengths = [len(p) for p in prompts]
+        before = list(offsets) if offsets is not None else [0] * len(prompts)
         tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lengths])
+        positions = torch.cat(
+            [torch.arange(o, o + n) for o, n in zip(before, lengths, strict=True)]
+        )
         starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        for slot, n in zip(slots, lengths, strict=True):
-            cache.written(slot, n)
+        for slot, o, n in zip(slots, before, lengths, strict=True):
+            cache.written(slot, o + n)
         x = self.weights.embed[tokens]
         for li, layer in enumerate(self.weights.layers):
             q, k, v = self._qkv(layer, x, positions)
             outs = []
-            for slot, start, n in zip(slots, starts, lengths, strict=True):
+            for slot, start, n, o in zip(slots, starts, lengths, before, strict=True):
                 kj = k[start : start + n].transpose(0, 1)
                 vj = v[start : start + n].transpose(0, 1)
-                cache.k[li, slot, :, :n] = kj
-                cache.v[li, slot, :, :n] = vj
+                cache.k[li, slot, :, o : o + n] = kj
+                cache.v[li, slot, :, o : o + n] = vj
                 qj = q[start : start + n].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qj, kj.unsqueeze(0), vj.unsqueeze(0), is_causal=True, enable_gqa=True
-                )
-                outs.append(o[0].transpose(0, 1).reshape(n, self._q_width))
+                if o == 0:
+                    out = F.scaled_dot_product_attention(
+                        qj, kj.unsqueeze(0), vj.unsqueeze(0), is_causal=True, enable_gqa=True
+                    )
+                else:
+                    # Token i of the prompt sits at position o + i: it sees the cached prefix
+                    # and the prompt's tokens up to itself.
+                    seen = torch.arange(o + n).unsqueeze(0) <= (o + torch.arange(n)).unsqueeze(1)
+                    out = F.scaled_dot_product_attention(
+                        qj,
+                        cache.k[li, slot, :, : o + n].unsqueeze(0),
+                        cache.v[li, slot, :, : o + n].unsqueeze(0),
+                        attn_mask=seen,
+                        enable_gqa=True,
+                    )
+                outs.append(out[0].transpose(0, 1).reshape(n, self._q_width))
             x = x + self._linear(torch.cat(outs), layer["o"])
             x = self._mlp(layer, x)
         if not all_logits:

@@ -13,7 +13,14 @@ Where this engine differs, it says so instead of guessing:
 - `weight_version` is a string in SGLang's JSON; here it always holds an integer counter
   ("0" at start). An update without `weight_version` increments it; SGLang leaves it as is.
 - `meta_info.output_token_logprobs` holds `[logprob, token_id, text|None]` triples for the
-  output tokens only; input logprobs and top-k logprobs are not implemented.
+  output tokens only; input logprobs and top-k logprobs are not implemented. With
+  `return_logprob`, `meta_info.output_token_weight_versions` (not SGLang's) holds the weight
+  version that sampled each output token, and `cached_tokens` counts the prompt tokens served
+  from the prefix cache (as SGLang does).
+- An update that arrives while generation is paused (`in_place` or `retract`) lands at once,
+  between two decode steps: running requests go on under the new weights after
+  `/continue_generation`, none is aborted. Unpaused, an update waits for running requests to
+  finish (drains).
 - `/update_weights_from_distributed` without `weight_version` is one bucket of several: the
   engine answers once it has received it, loads it (after running requests finish), and then
   admits no request until a bucket *with* `weight_version` (the last one) has loaded, or
@@ -255,6 +262,9 @@ class GenerateMetaInfo(BaseModel):
     e2e_latency: float | None = None
     output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
     """`[logprob, token_id, text|None]` per output token, when `return_logprob`."""
+    output_token_weight_versions: list[int] | None = None
+    """omniloop's engine, with `return_logprob`: the weight version that sampled each output
+    token (an update applied in place changes it mid-response). SGLang has no such key."""
 
 
 class GenerateResponse(BaseModel):

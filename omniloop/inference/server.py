@@ -8,7 +8,7 @@ Endpoints (methods as SGLang's `http_server.py`):
   bucketed weight update is under way, it only checks that the scheduler is alive, since
   nothing is admitted until `/continue_generation` (or the update's last bucket).
 - `GET /get_model_info`, `GET /get_weight_version`.
-- `GET|POST /flush_cache`: 200; there is no prefix cache, so nothing to flush.
+- `GET|POST /flush_cache`: 200 once the prefix cache is empty.
 - `POST /update_weights_from_disk`: see `EngineCore.update_weights` for the guarantees.
 - `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
   `POST /destroy_weights_update_group`: a trainer's torch.distributed broadcast (gloo), bucket
@@ -120,8 +120,9 @@ def _to_response(result: GenerationResult, return_logprob: bool) -> dict[str, An
             finish_reason=finish,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=len(result.output_ids),
-            cached_tokens=0,
+            cached_tokens=result.cached_tokens,
             weight_version=str(result.weight_version),
+            output_token_weight_versions=result.output_versions if return_logprob else None,
             e2e_latency=result.e2e_latency,
             output_token_logprobs=logprobs,
         ),
@@ -223,7 +224,8 @@ def create_app(core: EngineCore) -> FastAPI:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> PlainTextResponse:
-        return PlainTextResponse("Cache flushed (this engine keeps no prefix cache).\n")
+        dropped = await asyncio.wrap_future(core.flush_cache())
+        return PlainTextResponse(f"Cache flushed ({dropped} cached prefixes dropped).\n")
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(body: UpdateWeightFromDiskReqInput) -> JSONResponse:

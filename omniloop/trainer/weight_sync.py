@@ -15,28 +15,39 @@ Two implementations of one `WeightSync` protocol, chosen by `WeightSyncConfig.me
   the same code, the backend string comes from the config (NCCL buckets are staged on the GPU).
 
 Contract of `publish(named_weights, version)`, both methods: when it returns, every engine holds
-exactly those weights and reports `version`; a response sampled before has the previous
-version, one sampled after has `version`, and none is sampled by a mix. The engines guarantee
-the last part: an update waits for running requests to finish before it copies anything, and
-omniloop's engine admits no request between the first and the last bucket (the last bucket
-carries `weight_version`). On SGLang, pause generation around a bucketed update yourself.
+exactly those weights and reports `version`, and no request was aborted. How an update meets
+the requests running at that moment is `update_mode`:
+
+- `in_place` (the default): every engine is paused between two decode steps
+  (`/pause_generation` with mode `in_place`, which keeps requests, never SGLang's aborting
+  default) while the weights are loaded, then continued (`/continue_generation`, also when the
+  publish fails). Running requests go on under the new weights; each token records the version
+  that sampled it (omniloop's engine reports it per token), and no token is sampled by a mix.
+  Generation stalls for the load alone (the transfer, for `distributed`), not for the slowest
+  running request.
+- `drain`: the engines let running requests finish under the old weights before they load
+  (omniloop's engine admits nothing meanwhile, and between the first and the last bucket), so
+  every response has one version. On SGLang, drain means pausing generation around a bucketed
+  update yourself.
 
 Failures raise `WeightSyncError` naming the engine. An engine left with part of a bucketed
 update keeps admitting nothing (rather than sample with mixed weights) until a later publish
-succeeds. After a failed bucket the process group is abandoned and the next publish builds a
-new one (under a new name): a blocked broadcast cannot be cancelled, it ends at `timeout_s`.
+succeeds; in `in_place` mode it is also left paused. After a failed bucket the process group
+is abandoned and the next publish builds a new one (under a new name): a blocked broadcast
+cannot be cancelled, it ends at `timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
@@ -65,6 +76,10 @@ STAGED_PREFIX = "weights-v"
 # Files of a model folder that are weights (or training state), not configuration.
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".pt", ".pth", ".gguf")
 _NOT_CONFIG = ("trainer_state.json",)
+
+
+UpdateMode = Literal["in_place", "drain"]
+"""How a weight update meets running requests (module docstring)."""
 
 
 class WeightSyncError(EngineError):
@@ -99,6 +114,11 @@ class WeightSyncConfig(StrictModel):
     timeout_s: float = Field(default=600.0, gt=0)
     """Longest wait for one engine call (a weight update first waits for running requests)
     and for the process group's peers."""
+    update_mode: UpdateMode = "in_place"
+    """`in_place`: engines pause between decode steps while the weights load, and running
+    requests go on under the new weights (a token records the version that sampled it).
+    `drain`: running requests finish under the old weights first (one version per response;
+    generation waits for the slowest)."""
 
 
 class WeightSync(Protocol):
@@ -129,7 +149,11 @@ def make_weight_sync(
     """
     if config.method == "disk":
         return DiskWeightSync(
-            engine_urls, config.staging_dir, model_dir=model_dir, timeout_s=config.timeout_s
+            engine_urls,
+            config.staging_dir,
+            model_dir=model_dir,
+            timeout_s=config.timeout_s,
+            update_mode=config.update_mode,
         )
     return DistributedWeightSync(
         engine_urls,
@@ -141,7 +165,46 @@ def make_weight_sync(
         flattened=config.flattened,
         ranks_per_engine=config.ranks_per_engine,
         timeout_s=config.timeout_s,
+        update_mode=config.update_mode,
     )
+
+
+@contextlib.asynccontextmanager
+async def engines_paused(
+    clients: Sequence[EngineClient], mode: UpdateMode, *, failed_leaves_paused: bool
+) -> AsyncIterator[dict[str, float]]:
+    """With `in_place`, pause every engine (keeping its requests) for the block and continue
+    them after it; with `drain`, do nothing. If the block fails, the engines are continued
+    unless `failed_leaves_paused` (a failed bucketed update may have left a mix of old and new
+    weights: nothing is sampled until a later publish completes). Yields a dict that holds,
+    after a block that completed, `weight_sync/paused_seconds`: how long generation stood
+    still."""
+    stats: dict[str, float] = {}
+    if mode == "drain":
+        yield stats
+        return
+    await _all_or_fail(
+        [_tagged(c, c.pause_generation("in_place")) for c in clients],
+        "pausing generation for a weight update",
+    )
+    paused = time.perf_counter()
+    try:
+        yield stats
+    except BaseException:
+        if not failed_leaves_paused:
+            await _continue(clients)
+        raise
+    await _continue(clients)
+    stats["weight_sync/paused_seconds"] = time.perf_counter() - paused
+
+
+async def _continue(clients: Sequence[EngineClient]) -> None:
+    results = await asyncio.gather(
+        *(c.continue_generation() for c in clients), return_exceptions=True
+    )
+    for client, result in zip(clients, results, strict=True):
+        if isinstance(result, BaseException):
+            log.warning("engine %s did not continue generation: %s", client.base_url, result)
 
 
 def plan_buckets(
@@ -258,10 +321,12 @@ class DiskWeightSync:
         *,
         model_dir: str | Path | None = None,
         timeout_s: float = 600.0,
+        update_mode: UpdateMode = "in_place",
     ) -> None:
         if not engine_urls:
             raise ValueError("no engines to publish to")
         self._clients = [EngineClient(url, timeout=timeout_s) for url in engine_urls]
+        self._update_mode = update_mode
         self._own_staging = staging_dir is None
         self.staging_dir = Path(
             tempfile.mkdtemp(prefix="omniloop-weights-") if staging_dir is None else staging_dir
@@ -296,13 +361,17 @@ class DiskWeightSync:
             except OSError as err:
                 raise WeightSyncError(f"writing weights v{version} to {target}: {err}") from err
             saved = time.perf_counter()
-            await _all_or_fail(
-                [
-                    _tagged(c, c.update_weights_from_disk(str(target), weight_version=version))
-                    for c in self._clients
-                ],
-                f"loading weights v{version} from {target}",
-            )
+            # A failed load from disk changed nothing: generation goes on.
+            async with engines_paused(
+                self._clients, self._update_mode, failed_leaves_paused=False
+            ) as paused:
+                await _all_or_fail(
+                    [
+                        _tagged(c, c.update_weights_from_disk(str(target), weight_version=version))
+                        for c in self._clients
+                    ],
+                    f"loading weights v{version} from {target}",
+                )
             loaded = time.perf_counter()
             for old in self.staging_dir.glob(f"{STAGED_PREFIX}*"):
                 if old != target:
@@ -317,6 +386,7 @@ class DiskWeightSync:
                 "weight_sync/gbps": nbytes / max(seconds, 1e-9) / 1e9,
                 "weight_sync/engines": float(len(self._clients)),
                 "weight_sync/version": float(version),
+                **paused,
             }
 
     async def close(self) -> None:
@@ -353,6 +423,7 @@ class DistributedWeightSync:
         flattened: bool = True,
         ranks_per_engine: int = 1,
         timeout_s: float = 600.0,
+        update_mode: UpdateMode = "in_place",
     ) -> None:
         if not engine_urls:
             raise ValueError("no engines to publish to")
@@ -361,6 +432,7 @@ class DistributedWeightSync:
         if backend == "nccl" and not torch.cuda.is_available():
             raise ConfigError("backend 'nccl' needs CUDA; use 'gloo' on CPU")
         self._clients = [EngineClient(url, timeout=timeout_s) for url in engine_urls]
+        self._update_mode = update_mode
         self.backend = backend
         self.bucket_bytes = int(bucket_mb * 1024 * 1024)
         self.master_addr = master_addr
@@ -554,13 +626,18 @@ class DistributedWeightSync:
             try:
                 if self.flattened:
                     packing = asyncio.ensure_future(asyncio.to_thread(pack, 0))
-                for i, bucket in enumerate(buckets):
-                    current, packing = packing, None
-                    if current is not None and i + 1 < len(buckets):
-                        # Pack the next bucket into the other buffer while this one travels.
-                        packing = asyncio.ensure_future(pack_after(current, i + 1))
-                    last = i == len(buckets) - 1
-                    broadcast += await self._send_bucket(bucket, current, version if last else None)
+                async with engines_paused(
+                    self._clients, self._update_mode, failed_leaves_paused=True
+                ) as paused:
+                    for i, bucket in enumerate(buckets):
+                        current, packing = packing, None
+                        if current is not None and i + 1 < len(buckets):
+                            # Pack the next bucket into the other buffer while this one travels.
+                            packing = asyncio.ensure_future(pack_after(current, i + 1))
+                        last = i == len(buckets) - 1
+                        broadcast += await self._send_bucket(
+                            bucket, current, version if last else None
+                        )
             except BaseException:
                 if packing is not None:
                     packing.cancel()
@@ -579,6 +656,7 @@ class DistributedWeightSync:
                 "weight_sync/buckets": float(len(buckets)),
                 "weight_sync/engines": float(len(self._clients)),
                 "weight_sync/version": float(version),
+                **paused,
             }
 
     async def close(self) -> None:

@@ -38,7 +38,7 @@ GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
 METHODS = ["disk", "distributed"]
 
 
-def sync_config(method: str, tmp_path: Path) -> WeightSyncConfig:
+def sync_config(method: str, tmp_path: Path, update_mode: str = "in_place") -> WeightSyncConfig:
     # Small buckets, so the tiny model (a 12.6 MB embedding and 0.3 MB of layers) travels in
     # several: the multi-bucket path.
     return WeightSyncConfig(
@@ -46,6 +46,7 @@ def sync_config(method: str, tmp_path: Path) -> WeightSyncConfig:
         bucket_mb=0.05,
         staging_dir=str(tmp_path / "staging"),
         timeout_s=120,
+        update_mode=update_mode,
     )
 
 
@@ -177,16 +178,19 @@ async def test_sync_lands_between_turns_and_versions_follow_each_response(
         assert float(gap[~mine].mean()) > 1e-2
 
 
-async def test_a_request_in_flight_is_sampled_by_one_version_only(
+async def test_drained_a_request_in_flight_is_sampled_by_one_version_only(
+    engine_urls: list[str],
     clients: list[EngineClient],
-    distributed: WeightSync,
+    tmp_path: Path,
     make_trainer: Callable[..., TorchTrainerBackend],
     next_version: Callable[[], int],
 ) -> None:
-    """A sync started while a long request decodes waits for it (the first bucket drains the
-    batch, later buckets keep admission closed): the request's every logprob is one version's."""
+    """`update_mode=drain`: a sync started while a long request decodes waits for it (the
+    first bucket drains the batch, later buckets keep admission closed): the request's every
+    logprob is one version's."""
     old, new = make_trainer(perturb_seed=21), make_trainer(perturb_seed=22)
     v_old, v_new = next_version(), next_version()
+    distributed = make_weight_sync(sync_config("distributed", tmp_path, "drain"), engine_urls)
     await distributed.publish(old.named_weights(), v_old)
     engine = clients[0]
     long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=5, stop_token_ids=[])
@@ -208,6 +212,91 @@ async def test_a_request_in_flight_is_sampled_by_one_version_only(
         # Other weights (noise 0.2 on every matrix) move a token's logprob by 0.1 or more;
         # float rounding over a 400-token decode stays within a few 1e-3.
         assert float(gap.max()) <= 1e-2, "some tokens were sampled by other weights"
+    await distributed.close()
+
+
+async def test_in_place_a_request_in_flight_changes_version_exactly_at_the_update(
+    clients: list[EngineClient],
+    distributed: WeightSync,
+    make_trainer: Callable[..., TorchTrainerBackend],
+    next_version: Callable[[], int],
+) -> None:
+    """The default, `in_place`: the engine pauses between two decode steps, swaps the weights
+    and goes on. The request is not aborted; the tokens before the switch are the old
+    weights' (their logprobs are the old trainer's), and every token says which version
+    sampled it."""
+    old, new = make_trainer(perturb_seed=23), make_trainer(perturb_seed=24)
+    v_old, v_new = next_version(), next_version()
+    await distributed.publish(old.named_weights(), v_old)
+    engine = clients[0]
+    long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=6, stop_token_ids=[])
+    running = asyncio.create_task(engine.generate(PROMPTS[1], long))
+    await asyncio.sleep(0.2)
+    metrics = await distributed.publish(new.named_weights(), v_new)
+    out = await running
+
+    assert out.finish_reason == "length"
+    assert len(out.output_ids) == 400
+    switch = out.weight_versions.index(v_new)
+    assert 0 < switch < 400, "the update did not land while the request decoded"
+    assert out.weight_versions == [v_old] * switch + [v_new] * (400 - switch)
+    assert metrics["weight_sync/paused_seconds"] > 0
+    builder = TrajectoryBuilder(PROMPTS[1])
+    builder.add_sampled(out.output_ids, out.output_logprobs, out.weight_versions)
+    trajectory = builder.build(TrajectoryMeta(episode_id="in-place"))
+    assert trajectory.weight_version[len(PROMPTS[1]) :] == out.weight_versions
+    gap = sampled_gap(trainer_logprobs(old, [trajectory]))
+    assert float(gap[:switch].max()) <= 1e-2
+    # After the switch the new weights sample, over keys and values the old ones computed:
+    # neither trainer's full recompute is exact there; the old one is clearly off.
+    assert float(gap[switch:].mean()) > 1e-2
+
+
+async def test_no_request_is_aborted_across_50_in_place_syncs_under_load(
+    clients: list[EngineClient],
+    distributed: WeightSync,
+    make_trainer: Callable[..., TorchTrainerBackend],
+    next_version: Callable[[], int],
+) -> None:
+    """16 requests always running on each engine while the trainer publishes 50 times."""
+    trainers = [make_trainer(perturb_seed=30 + i) for i in range(2)]
+    sampling = SamplingParams(max_new_tokens=64, temperature=1.0, stop_token_ids=[])
+    outputs: list[GenerateOutput] = []
+    stop = asyncio.Event()
+
+    async def keep_generating(engine: EngineClient, lane: int) -> None:
+        seed = lane * 1000
+        while not stop.is_set():
+            seed += 1
+            params = sampling.model_copy(update={"seed": seed})
+            outputs.append(await engine.generate(PROMPTS[lane % len(PROMPTS)], params))
+
+    served = {await engine.get_weight_version() for engine in clients}
+    lanes = [
+        asyncio.create_task(keep_generating(engine, lane))
+        for engine in clients
+        for lane in range(16)
+    ]
+    try:
+        versions = []
+        for i in range(50):
+            version = next_version()
+            await distributed.publish(trainers[i % 2].named_weights(), version)
+            versions.append(version)
+        stop.set()
+        await asyncio.gather(*lanes)
+    finally:
+        stop.set()
+        for lane in lanes:
+            lane.cancel()
+    assert outputs
+    assert [o for o in outputs if o.finish_reason == "abort"] == []
+    assert all(len(o.output_ids) == 64 for o in outputs)
+    spanning = [o for o in outputs if len(set(o.weight_versions)) > 1]
+    assert spanning, "no update landed while a request decoded"
+    for out in spanning:
+        assert out.weight_versions == sorted(out.weight_versions)
+        assert set(out.weight_versions) <= {*served, *versions}
 
 
 async def test_trainer_and_engine_logprobs_agree_before_and_after_a_training_step(

@@ -1,0 +1,102 @@
+"""Which KV-cache slots hold the keys and values of which token prefixes.
+
+A multi-turn episode sends its whole history with every turn, and each history extends the last
+one: the previous prompt, the tokens the engine sampled, then the tool's output. When a
+sequence finishes, the engine copies its keys and values into a retained slot and records the
+tokens here; a later request whose prompt starts with those tokens has that part copied back
+into its own slot and prefills only the rest.
+
+Prefixes are matched in whole blocks of `block` tokens (a chained hash per block, checked
+against the stored tokens, so a hash collision can never serve wrong keys), and at least one
+token of a prompt is always left to prefill: its logits start the generation. Slots are reused
+least recently used first. Keys and values belong to the weights that computed them: the
+engine clears the index whenever its weights change.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixIndex:
+    """Token prefixes held in the cache slots `slots` (module docstring). Not thread-safe: the
+    engine's scheduler thread owns it."""
+
+    def __init__(self, slots: Sequence[int], block: int = 16) -> None:
+        if block < 1:
+            raise ValueError(f"block must be at least 1 token, got {block}")
+        self.block = block
+        self._free = list(slots)
+        self._tokens: dict[int, list[int]] = {}
+        """Slot -> the block-aligned tokens whose keys and values it holds."""
+        self._by_prefix: dict[int, int] = {}
+        """Chained hash of a block-aligned prefix -> the slot that last stored it."""
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        """Occupied slots, least recently used first."""
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _hashes(self, tokens: Sequence[int], blocks: int) -> list[int]:
+        out: list[int] = []
+        chained = 0
+        for i in range(blocks):
+            chained = hash((chained, tuple(tokens[i * self.block : (i + 1) * self.block])))
+            out.append(chained)
+        return out
+
+    def lookup(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """`(slot, length)`: the slot holding the longest block-aligned prefix of `tokens`
+        shorter than `tokens` itself, and that prefix's length; None when none is held."""
+        found: tuple[int, int] | None = None
+        for i, key in enumerate(self._hashes(tokens, (len(tokens) - 1) // self.block)):
+            slot = self._by_prefix.get(key)
+            length = (i + 1) * self.block
+            if slot is None or self._tokens[slot][:length] != list(tokens[:length]):
+                break
+            found = (slot, length)
+        if found is not None:
+            self._recent.move_to_end(found[0])
+        return found
+
+    def store(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """Record that the keys and values of `tokens` are about to be copied into a slot;
+        return `(slot, length)` to copy (the block-aligned part), or None when there is
+        nothing worth copying (shorter than a block, or already held whole)."""
+        blocks = len(tokens) // self.block
+        if blocks == 0:
+            return None
+        length = blocks * self.block
+        keys = self._hashes(tokens, blocks)
+        held = self._by_prefix.get(keys[-1])
+        if held is not None and self._tokens[held] == list(tokens[:length]):
+            self._recent.move_to_end(held)
+            return None
+        if self._free:
+            slot = self._free.pop()
+        elif self._recent:
+            slot, _ = self._recent.popitem(last=False)
+            self._forget(slot)
+        else:
+            return None
+        self._tokens[slot] = list(tokens[:length])
+        for key in keys:
+            self._by_prefix[key] = slot
+        self._recent[slot] = None
+        return slot, length
+
+    def _forget(self, slot: int) -> None:
+        tokens = self._tokens.pop(slot)
+        for key in self._hashes(tokens, len(tokens) // self.block):
+            if self._by_prefix.get(key) == slot:
+                del self._by_prefix[key]
+
+    def clear(self) -> int:
+        """Forget every prefix (the weights changed); returns how many slots held one."""
+        held = list(self._tokens)
+        for slot in held:
+            self._forget(slot)
+            self._free.append(slot)
+        self._recent.clear()
+        return len(held)

@@ -1,0 +1,161 @@
+"""The CPU engine's prefix cache and its weight updates in place, on the tiny model in process.
+
+A multi-turn episode's next prompt is its last prompt, the tokens sampled, and an observation:
+with the prefix cache the engine prefills only the new part, and must sample exactly what a
+full prefill would (greedy and seeded), up to float rounding of the logprobs. An update that
+lands while generation is paused goes on in place: the running request is not aborted, and
+each of its tokens reports the version that sampled it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
+from omniloop.inference.llama import read_safetensors
+from omniloop.inference.models import resolve_model
+from omniloop.inference.prefix_cache import PrefixIndex
+
+BLOCK = 16
+
+
+def test_the_longest_held_block_aligned_prefix_is_found() -> None:
+    index = PrefixIndex([10, 11], block=4)
+    assert index.store(list(range(10))) == (11, 8)  # two whole blocks of the ten tokens
+    assert index.lookup(list(range(12))) == (11, 8)
+    assert index.lookup(list(range(9))) == (11, 8)
+    # At least one token is left to prefill: a prompt equal to the prefix matches one block.
+    assert index.lookup(list(range(8))) == (11, 4)
+    assert index.lookup([0, 1, 2, 3, 99, 5, 6, 7, 8]) == (11, 4)
+    assert index.lookup([9, 1, 2, 3, 4]) is None
+    assert index.store([0, 1, 2]) is None  # shorter than a block
+    assert index.store(list(range(8))) is None  # held already
+
+
+def test_the_least_recently_used_prefix_makes_room() -> None:
+    index = PrefixIndex([0, 1], block=2)
+    a, b, c = [1, 1, 1, 1], [2, 2, 2, 2], [3, 3, 3, 3]
+    slot_a, _ = index.store(a) or (None, 0)
+    index.store(b)
+    assert index.lookup([*a, 9]) == (slot_a, 4)  # a is now the most recent
+    index.store(c)  # evicts b
+    assert index.lookup([*b, 9]) is None
+    assert index.lookup([*a, 9]) is not None
+    assert index.lookup([*c, 9]) is not None
+    assert index.clear() == 2
+    assert index.lookup([*a, 9]) is None
+    assert len(index) == 0
+
+
+@pytest.fixture(scope="module")
+def cores() -> Iterator[tuple[EngineCore, EngineCore]]:
+    """The tiny model twice: with a prefix cache, and without one."""
+    folder = resolve_model("tiny")
+    cached = EngineCore(folder, max_batch=4, max_context=256, threads=1, prefix_cache_slots=4)
+    plain = EngineCore(folder, max_batch=4, max_context=256, threads=1, prefix_cache_slots=0)
+    for core in (cached, plain):
+        core.start()
+    yield cached, plain
+    for core in (cached, plain):
+        core.shutdown()
+
+
+def generate(core: EngineCore, ids: list[int], **sampling: Any) -> GenerationResult:
+    request = GenerationRequest(input_ids=ids, max_new_tokens=20, ignore_eos=True, **sampling)
+    return core.submit(request).result(timeout=120)
+
+
+def three_turns(core: EngineCore, **sampling: Any) -> list[GenerationResult]:
+    """An episode of three turns, each prompt extending the last with an observation."""
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 2000, (37,), generator=gen).tolist()
+    turns = []
+    for turn in range(3):
+        out = generate(core, prompt, **sampling)
+        turns.append(out)
+        observation = torch.randint(3, 2000, (11 + turn,), generator=gen).tolist()
+        prompt = [*prompt, *out.output_ids, *observation]
+    return turns
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"]
+)
+def test_a_turn_that_extends_the_last_prefills_only_what_is_new(
+    cores: tuple[EngineCore, EngineCore], sampling: dict[str, Any]
+) -> None:
+    cached, plain = cores
+    cached.flush_cache().result(timeout=10)
+    with_cache = three_turns(cached, **sampling)
+    without = three_turns(plain, **sampling)
+    assert [t.cached_tokens for t in without] == [0, 0, 0]
+    assert with_cache[0].cached_tokens == 0
+    prompt_length = 37
+    for turn in (1, 2):
+        # The last turn's prompt and sampled tokens but the newest (not yet run through the
+        # model when it finished), in whole blocks.
+        computed = prompt_length + len(with_cache[turn - 1].output_ids) - 1
+        assert with_cache[turn].cached_tokens == computed // BLOCK * BLOCK
+        prompt_length += len(with_cache[turn - 1].output_ids) + 11 + turn - 1
+    for a, b in zip(with_cache, without, strict=True):
+        assert a.output_ids == b.output_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+
+
+def test_a_weight_update_or_a_flush_empties_the_prefix_cache(
+    cores: tuple[EngineCore, EngineCore],
+) -> None:
+    cached, _ = cores
+    first = generate(cached, list(range(3, 40)), temperature=0.0)
+    extended = [*range(3, 40), *first.output_ids, 5, 6, 7]
+    assert generate(cached, extended, temperature=0.0).cached_tokens > 0
+    assert cached.flush_cache().result(timeout=10) > 0
+    assert generate(cached, extended, temperature=0.0).cached_tokens == 0
+    same = read_safetensors(resolve_model("tiny"))
+    version = cached.weight_version
+    cached.update_weights(list(same.items()), version=version).result(timeout=60)
+    assert generate(cached, extended, temperature=0.0).cached_tokens == 0
+
+
+def test_an_update_while_paused_lands_in_place_and_each_token_has_its_version(
+    cores: tuple[EngineCore, EngineCore],
+) -> None:
+    _, core = cores
+    prompt = [1, 4093, 314, 260, 3575]
+    long = GenerationRequest(input_ids=prompt, max_new_tokens=200, ignore_eos=True, seed=5)
+    reference = core.submit(long).result(timeout=120)
+    original = read_safetensors(resolve_model("tiny"))
+    changed = [(name, tensor * 1.5) for name, tensor in original.items()]
+    v0 = core.weight_version
+    passes = core.forward_passes
+    running = core.submit(long)
+    deadline = time.monotonic() + 60
+    while core.forward_passes < passes + 10:  # its prefill and a few decode steps
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.001)
+    core.pause("in_place").result(timeout=10)
+    try:
+        update = core.update_weights(changed, version=v0 + 1).result(timeout=60)
+    finally:
+        core.resume().result(timeout=10)
+    out = running.result(timeout=120)
+    try:
+        assert update.num_aborted == 0
+        assert out.finish_type == "length"
+        assert len(out.output_ids) == 200
+        switch = out.output_versions.index(v0 + 1)
+        assert 0 < switch < 200, "the update did not land mid-response"
+        assert out.output_versions == [v0] * switch + [v0 + 1] * (200 - switch)
+        assert out.weight_version == v0
+        # Up to the update the same tokens as without one; after it, other weights.
+        assert out.output_ids[:switch] == reference.output_ids[:switch]
+        assert out.output_logprobs[switch:] != pytest.approx(
+            reference.output_logprobs[switch:], abs=1e-3
+        )
+    finally:
+        core.update_weights(list(original.items()), version=v0).result(timeout=60)
