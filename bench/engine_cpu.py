@@ -9,6 +9,14 @@ explicit torch thread count. Wall seconds, CPU seconds (engine process; bench pr
 HTTP client and for HF) and the load average are reported, because on a shared machine wall
 time alone is noise.
 
+Then the workload of agentic RL, `multi_turn`: `--conversations` (8) conversations at once,
+each of `--turns` (6) turns; every turn resends the whole history (a ~200-token first prompt,
+then each turn's `--turn-tokens` sampled tokens and as many tokens of "tool output"), so the
+history grows to about 1,000 tokens. Our engine with its prefix cache (a turn prefills only
+what the last one did not), our engine without it (`--prefix-cache-slots 0`), and HF
+`generate` (the 8 histories batched per turn), greedy; tokens generated per second of the
+workload's wall time, and the prompt tokens our engine served from its cache.
+
     .venv/bin/python bench/engine_cpu.py [--model smollm2] [--threads 1] [--new-tokens 128]
 """
 
@@ -67,11 +75,14 @@ def cpu_seconds_of(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def start_engine(model: str, threads: int, max_context: int) -> tuple[subprocess.Popen[str], str]:
+def start_engine(
+    model: str, threads: int, max_context: int, prefix_cache_slots: int = 32
+) -> tuple[subprocess.Popen[str], str]:
     exe = Path(sys.executable).parent / "omniloop"
     cmd = [
         str(exe), "engine", "serve", "--model", model, "--port", "0", "--threads", str(threads),
         "--max-batch", "32", "--max-context", str(max_context),
+        "--prefix-cache-slots", str(prefix_cache_slots),
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
@@ -117,6 +128,69 @@ def run_hf(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -
     return [row[width:].tolist() for row in out]
 
 
+def conversation_openings(tokenizer: Any, n: int) -> list[list[int]]:
+    """`n` first prompts of about 200 tokens: a system prompt and a question each."""
+    system = (
+        "You are a careful assistant with tools. Think step by step, call a tool when a fact "
+        "is needed, read its output, and answer briefly. " * 4
+    )
+    return [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                add_generation_prompt=True,
+                tokenize=False,
+            ),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS[:n]
+    ]
+
+
+def tool_output(turn: int, n: int) -> list[int]:
+    """`n` token ids standing for a tool's output (any ids: the engine only attends to them)."""
+    return [1000 + (turn * 37 + i * 11) % 20000 for i in range(n)]
+
+
+async def multi_turn_ours(
+    url: str, openings: list[list[int]], turns: int, new_tokens: int
+) -> tuple[int, int]:
+    """Run every conversation's turns; (tokens generated, prompt tokens served from cache)."""
+    import httpx
+
+    sampling = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
+
+        async def conversation(history: list[int]) -> tuple[int, int]:
+            generated = cached = 0
+            for turn in range(turns):
+                body = {"input_ids": history, "sampling_params": sampling}
+                r = await http.post("/generate", json=body)
+                r.raise_for_status()
+                out = r.json()
+                generated += len(out["output_ids"])
+                cached += out["meta_info"].get("cached_tokens", 0)
+                history = [*history, *out["output_ids"], *tool_output(turn, new_tokens)]
+            return generated, cached
+
+        results = await asyncio.gather(*(conversation(list(o)) for o in openings))
+    return sum(g for g, _ in results), sum(c for _, c in results)
+
+
+def multi_turn_hf(
+    model: Any, openings: list[list[int]], turns: int, new_tokens: int, pad_id: int
+) -> int:
+    histories = [list(o) for o in openings]
+    generated = 0
+    for turn in range(turns):
+        outs = run_hf(model, histories, new_tokens, pad_id)
+        generated += sum(len(o) for o in outs)
+        histories = [
+            [*h, *o, *tool_output(turn, new_tokens)] for h, o in zip(histories, outs, strict=True)
+        ]
+    return generated
+
+
 def same_until_eos(ours: list[int], theirs: list[int], eos: set[int]) -> bool:
     """Whether two greedy outputs agree up to our first EOS: past it they differ by design
     (`ignore_eos` keeps sampling EOS, HF's `min_new_tokens` forbids it)."""
@@ -130,6 +204,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--concurrency", default="1,8,32")
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--turn-tokens", type=int, default=64)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -195,6 +272,37 @@ def main() -> None:
         proc.terminate()
         proc.wait(timeout=30)
 
+    openings = conversation_openings(tokenizer, args.conversations)
+    longest = max(map(len, openings)) + 2 * args.turns * args.turn_tokens + 8
+    multi: dict[str, Any] = {
+        "conversations": args.conversations,
+        "turns": args.turns,
+        "turn_tokens": args.turn_tokens,
+        "first_prompt_tokens_mean": round(sum(map(len, openings)) / len(openings), 1),
+        "last_prompt_tokens_max": longest - args.turn_tokens - 8,
+        "vllm_tok_s": None,
+    }
+    for key, slots in (("ours", 32), ("ours_no_prefix_cache", 0)):
+        proc, url = start_engine(args.model, args.threads, longest, prefix_cache_slots=slots)
+        try:
+            asyncio.run(run_ours(url, prompts[:2], 4))
+            t0 = time.time()
+            generated, cached = asyncio.run(
+                multi_turn_ours(url, openings, args.turns, args.turn_tokens)
+            )
+            multi[f"{key}_tok_s"] = round(generated / (time.time() - t0), 1)
+            multi[f"{key}_cached_tokens"] = cached
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    t0 = time.time()
+    generated = multi_turn_hf(hf, openings, args.turns, args.turn_tokens, pad_id)
+    multi["hf_tok_s"] = round(generated / (time.time() - t0), 1)
+    multi["ours_vs_hf"] = round(multi["ours_tok_s"] / multi["hf_tok_s"], 2)
+    multi["prefix_cache_speedup"] = round(
+        multi["ours_tok_s"] / multi["ours_no_prefix_cache_tok_s"], 2
+    )
+
     def ratio(c: int) -> float | None:
         if str(c) not in ours:
             return None
@@ -216,6 +324,7 @@ def main() -> None:
                 "ratio_8": ratio(8),
                 "ratio_32": ratio(32),
                 "greedy_equal_to_hf_until_eos": agree,
+                "multi_turn": multi,
                 "loadavg_start": [round(x, 2) for x in load_start],
                 "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                 "duration_s": round(time.perf_counter() - began, 1),

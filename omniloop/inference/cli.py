@@ -34,6 +34,9 @@ def serve(
         None, help="Most tokens per sequence, prompt included (default: model limit, ≤4096)."
     ),
     prefill_tokens: int = typer.Option(2048, help="Most prompt tokens per prefill forward."),
+    prefix_cache_slots: int = typer.Option(
+        32, help="Finished sequences kept for prompts that extend them; 0 turns the cache off."
+    ),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
     """Serve a model; prints `omniloop engine ready at URL` once it accepts requests."""
@@ -51,6 +54,7 @@ def serve(
             max_batch=max_batch,
             max_context=max_context,
             prefill_tokens=prefill_tokens,
+            prefix_cache_slots=prefix_cache_slots,
         )
     except ValidationError as err:
         raise typer.BadParameter(format_validation_error(EngineServerConfig, err)) from None
