@@ -679,6 +679,10 @@ def serve(settings: SandboxdSettings, *, fd: int | None = None, log_level: str =
         log_level=log_level,
         access_log=log_level == "info",
         timeout_graceful_shutdown=10,
+        # Longer than a client keeps an idle connection (httpx: 5 s, uvicorn's own default):
+        # with equal times the server may close a connection the moment a client reuses it,
+        # and that request fails unanswered (a run's rollout met it between two steps).
+        timeout_keep_alive=30,
     )
     sockets = None if fd is None else [socket.socket(fileno=fd)]
     uvicorn.Server(config).run(sockets=sockets)

@@ -224,14 +224,19 @@ async def test_in_place_a_request_in_flight_changes_version_exactly_at_the_updat
     """The default, `in_place`: the engine pauses between two decode steps, swaps the weights
     and goes on. The request is not aborted; the tokens before the first update are the old
     weights' (their logprobs are the old trainer's), and every token says which version
-    sampled it. (New weights are published until the request ends, so some land mid-way
-    however fast the machine decodes.)"""
+    sampled it."""
     old, new = make_trainer(perturb_seed=23), make_trainer(perturb_seed=24)
     v_old = next_version()
     await distributed.publish(old.named_weights(), v_old)
     engine = clients[0]
     long = SamplingParams(max_new_tokens=400, temperature=1.0, seed=6, stop_token_ids=[])
+    # The request alone, timed: the publishes start a quarter of the way into the same
+    # request (after it was admitted, however loaded the machine), and go on until it ends.
+    started = time.perf_counter()
+    alone = await engine.generate(PROMPTS[1], long)
+    duration = time.perf_counter() - started
     running = asyncio.create_task(engine.generate(PROMPTS[1], long))
+    await asyncio.sleep(duration / 4)
     published: list[int] = []
     paused: list[float] = []
     while not running.done():
@@ -246,6 +251,7 @@ async def test_in_place_a_request_in_flight_changes_version_exactly_at_the_updat
     assert set(out.weight_versions) <= {v_old, *published}
     switch = next((i for i, v in enumerate(out.weight_versions) if v != v_old), 400)
     assert 0 < switch < 400, "no update landed while the request decoded"
+    assert out.output_ids[:switch] == alone.output_ids[:switch]
     assert min(paused) > 0
     builder = TrajectoryBuilder(PROMPTS[1])
     builder.add_sampled(out.output_ids, out.output_logprobs, out.weight_versions)
