@@ -174,7 +174,10 @@ async def test_sync_lands_between_turns_and_versions_follow_each_response(
         batch = trainer_logprobs(trainer, [trajectory])
         gap = sampled_gap(batch)
         mine = version_of_token[version_of_token >= 0] == version
-        assert float(gap[mine].mean()) <= 1e-4
+        # Float rounding between the engine's kernels and the trainer's over a 40-token
+        # history: ~1e-5 usually, a turn at 4.7e-4 once on a loaded machine; other weights
+        # move a token's logprob by 0.1 or more (the second assertion).
+        assert float(gap[mine].mean()) <= 2e-3
         assert float(gap[~mine].mean()) > 1e-2
 
 
