@@ -113,7 +113,7 @@ async def under_load(
     """Publish `args.load_syncs` times per update mode while `args.lanes` requests generate."""
     from omniloop.inference.base import GenerateOutput, SamplingParams
     from omniloop.inference.client import EngineClient
-    from omniloop.trainer.weight_sync import DistributedWeightSync
+    from omniloop.platform.dcs.distributed import DistributedWeightSync
 
     results: dict[str, Any] = {}
     async with EngineClient(url, timeout=600) as client:
@@ -163,7 +163,8 @@ async def under_load(
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from omniloop.inference.client import EngineClient
     from omniloop.inference.models import resolve_model
-    from omniloop.trainer.weight_sync import DiskWeightSync, DistributedWeightSync
+    from omniloop.platform.dcs.disk import DiskWeightSync
+    from omniloop.platform.dcs.distributed import DistributedWeightSync
 
     named = load_weights(args.model)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)

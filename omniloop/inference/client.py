@@ -32,6 +32,7 @@ from omniloop.inference.protocol import (
     ModelInfo,
     SuccessMessage,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTcpReqOutput,
     parse_weight_version,
 )
 
@@ -269,6 +270,34 @@ class EngineClient:
         result = UpdateWeightFromDiskReqOutput.model_validate(response.json())
         if not result.success:
             raise EngineHTTPError("/update_weights_from_disk", response.status_code, response.text)
+        return result
+
+    async def update_weights_from_tcp(
+        self,
+        source_url: str,
+        *,
+        token: str | None = None,
+        weight_version: int | None = None,
+        retries: int = 3,
+        timeout_s: float = 60.0,
+        abort_all_requests: bool = False,
+    ) -> UpdateWeightsFromTcpReqOutput:
+        """Have omniloop's engine fetch and load the buckets served at `source_url` (the DCS
+        `tcp` backend). Raises `EngineHTTPError` when the engine reports failure."""
+        body: dict[str, Any] = {
+            "source_url": source_url,
+            "token": token,
+            "retries": retries,
+            "timeout_s": timeout_s,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        path = "/update_weights_from_tcp"
+        response = self._check(path, await self._send("POST", path, body))
+        result = UpdateWeightsFromTcpReqOutput.model_validate(response.json())
+        if not result.success:
+            raise EngineHTTPError(path, response.status_code, response.text)
         return result
 
     async def _post_success(self, path: str, body: dict[str, Any]) -> SuccessMessage:

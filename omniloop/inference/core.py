@@ -672,15 +672,10 @@ class EngineCore:
         sizes = [_numel(shape) * dtype.itemsize for _, dtype, shape in specs]
         flat = cls._buffer(update_group, slot, sum(sizes))
         dist.broadcast(flat, src=0, group=update_group.group)
-        named = []
-        offset = 0
-        for (name, dtype, shape), size in zip(specs, sizes, strict=True):
-            chunk = flat[offset : offset + size]
-            if offset % dtype.itemsize:
-                chunk = chunk.clone()  # a dtype view needs an aligned start
-            named.append((name, chunk.view(dtype).view(shape)))
-            offset += size
-        return named
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        return tensor_views(
+            flat, [(n, d, s, o) for (n, d, s), o in zip(specs, offsets, strict=True)]
+        )
 
     @classmethod
     def _receive_each(
@@ -995,6 +990,27 @@ class EngineCore:
                 e2e_latency=time.perf_counter() - seq.submitted,
             ),
         )
+
+
+def tensor_views(
+    flat: torch.Tensor, specs: Sequence[tuple[str, torch.dtype, tuple[int, ...], int]]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors (name, dtype, shape, byte offset) packed in the uint8 tensor `flat`, as
+    views of it (a copy where the offset is not aligned to the dtype). `ConfigError` if one
+    reaches past the end."""
+    named = []
+    for name, dtype, shape, offset in specs:
+        size = _numel(shape) * dtype.itemsize
+        if offset + size > flat.numel():
+            raise ConfigError(
+                f"tensor {name!r} ({dtype}, {list(shape)}) at byte {offset} ends past the "
+                f"bucket's {flat.numel()} bytes"
+            )
+        chunk = flat[offset : offset + size]
+        if offset % dtype.itemsize:
+            chunk = chunk.clone()  # a dtype view needs an aligned start
+        named.append((name, chunk.view(dtype).view(shape)))
+    return named
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -400,6 +400,85 @@ class DestroyWeightsUpdateGroupReqInput(_Wire):
     rid: str | None = None
 
 
+class TensorEntry(BaseModel):
+    """One tensor of a fetched bucket: where its bytes lie in the bucket."""
+
+    name: str
+    """Hugging Face parameter name."""
+    dtype: str
+    """`float32`, `bfloat16`, ..."""
+    shape: list[int]
+    offset: int = Field(ge=0)
+    """Byte offset of the tensor in its bucket."""
+
+
+BUCKET_CHECKSUM_HEADER = "X-Xxh3-128"
+"""Response header of a bucket: the xxHash3-128 (hex) of the whole bucket's bytes, also on a
+range response; a bucket whose bytes do not match it is refused."""
+
+
+class BucketEntry(BaseModel):
+    """One bucket of a weight manifest (the DCS `tcp` backend)."""
+
+    nbytes: int = Field(ge=0)
+    tensors: list[TensorEntry] = Field(min_length=1)
+
+
+class WeightManifest(BaseModel):
+    """`GET {source_url}/manifest`: what a version's buckets hold. Bucket `i` is served at
+    `{source_url}/buckets/{i}` with its checksum in `BUCKET_CHECKSUM_HEADER` (byte ranges
+    supported, so a broken transfer resumes). The manifest is known before any bucket is
+    packed, so the first bucket travels while the next ones are packed."""
+
+    version: int
+    buckets: list[BucketEntry] = Field(min_length=1)
+
+
+class UpdateWeightsFromTcpReqInput(_Wire):
+    """Body of `/update_weights_from_tcp` (omniloop's own): fetch a version's buckets from a
+    bucket server over HTTP, checksum each, and load them as one update."""
+
+    source_url: str = Field(pattern=r"^https?://")
+    """The version's base URL on the bucket server (`.../manifest`, `.../buckets/{i}`)."""
+    token: str | None = None
+    """Bearer token the bucket server wants (sent as `Authorization`, never in a URL)."""
+    weight_version: str | int | None = None
+    """Integer version to set; omitted: the manifest's version."""
+    retries: int = Field(default=3, ge=0)
+    """Per bucket: fetches again after a broken connection (resuming from the byte reached)
+    or a checksum mismatch (the whole bucket), before the update fails."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Socket timeout of each fetch."""
+    abort_all_requests: bool = False
+    """Abort running and waiting requests instead of letting running ones finish first."""
+    rid: str | None = None
+
+    @field_validator("weight_version")
+    @classmethod
+    def _version(cls, v: str | int | None) -> str | int | None:
+        if v is not None and parse_weight_version(v) is None:
+            raise ValueError(
+                f"weight_version must be an integer (as a number or a string), got {v!r}"
+            )
+        return v
+
+
+class UpdateWeightsFromTcpReqOutput(BaseModel):
+    """Answer of `/update_weights_from_tcp` (200 on success, 400 otherwise)."""
+
+    success: bool
+    message: str
+    weight_version: int | None = None
+    bytes: int = 0
+    """Bytes of the buckets loaded (fetched again after a fault: counted once)."""
+    seconds: float = 0.0
+    """From the request to the last bucket loaded."""
+    resumed: int = 0
+    """Fetches that resumed a bucket after a broken connection."""
+    refetched: int = 0
+    """Buckets fetched whole again after a checksum mismatch."""
+
+
 class SuccessMessage(BaseModel):
     """`{success, message}`: the answer of SGLang's weight-group endpoints."""
 

@@ -15,6 +15,10 @@ Endpoints (methods as SGLang's `http_server.py`):
   by bucket; answered with SGLang's `{success, message}`, 200 or 400. Joining and receiving
   run on daemon threads (never on the event loop), since a peer that never comes blocks them
   until the group's timeout.
+- `POST /update_weights_from_tcp` (omniloop's own): fetch a version's checksummed buckets
+  from a bucket server over HTTP and load them (`omniloop.inference.weight_fetch`); the
+  engine side of the DCS `tcp` backend. `{success, message, weight_version, bytes, seconds,
+  resumed, refetched}`, 200 or 400.
 - `POST /pause_generation`, `POST /continue_generation`.
 
 Validation errors are answered with 400 and SGLang's `ErrorResponse` body, the message naming
@@ -59,9 +63,12 @@ from omniloop.inference.protocol import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromTcpReqInput,
+    UpdateWeightsFromTcpReqOutput,
     format_validation_errors,
     parse_weight_version,
 )
+from omniloop.inference.weight_fetch import WeightFetcher
 
 log = logging.getLogger(__name__)
 
@@ -298,6 +305,36 @@ def create_app(core: EngineCore) -> FastAPI:
             f"Succeeded to update parameter online. Weight version updated to "
             f"{result.weight_version}.",
         )
+
+    fetcher = WeightFetcher(core)
+
+    @app.post("/update_weights_from_tcp")
+    async def update_weights_from_tcp(body: UpdateWeightsFromTcpReqInput) -> JSONResponse:
+        try:
+            result, stats = await in_daemon_thread(
+                fetcher.fetch,
+                body.source_url,
+                token=body.token,
+                version=parse_weight_version(body.weight_version),
+                retries=body.retries,
+                timeout_s=body.timeout_s,
+                abort_all=body.abort_all_requests,
+            )
+        except (ConfigError, EngineError) as err:
+            out = UpdateWeightsFromTcpReqOutput(
+                success=False, message=f"Failed to update weights from tcp: {err}"
+            )
+            return JSONResponse(out.model_dump(), status_code=400)
+        out = UpdateWeightsFromTcpReqOutput(
+            success=True,
+            message=f"Weight version updated to {result.weight_version}.",
+            weight_version=result.weight_version,
+            bytes=stats.bytes,
+            seconds=stats.seconds,
+            resumed=stats.resumed,
+            refetched=stats.refetched,
+        )
+        return JSONResponse(out.model_dump())
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(

@@ -4,7 +4,7 @@ An engine is a server process of its own (omniloop's CPU engine, or SGLang); an
 `EngineServer` replica launches one (the run's model, `rollout.engine.threads`) or adopts the
 one at `rollout.engine.url`, reports its health to Ray Serve (`check_health`: the process is
 alive and `/health` answers), and before it serves registers the engine with the actor, which
-gives it the current weights (`ActorWeights.attach`). An engine it launched dies with it
+gives it the current weights (`WeightCoordinator.attach`). An engine it launched dies with it
 (`spawn_engine(die_with_parent=True)`), so a SIGKILLed replica leaves no engine behind, and its
 replacement launches a fresh one that gets the current weights before its first request.
 

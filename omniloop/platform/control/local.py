@@ -17,15 +17,14 @@ service would have) and answers the controller's directives:
   infrastructure failures and samples past the staleness bound (counted), and takes one
   optimizer step on the rest. Exactly-once: the data plane never hands an id to the actor twice,
   and the ids it handed out are part of the actor's checkpoint.
-- `ActorWeights.publish(v)`: hands the actor's weights to the configured weight sync (`disk` or
-  `distributed`, `omniloop.trainer.weight_sync`), which returns once every engine serves `v`.
+- Weights reach the engines through the DCS (`omniloop.platform.dcs`): the actor's
+  `WeightCoordinator.publish(v)` returns once every engine serves `v`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import dataclasses
 import logging
 import os
@@ -58,7 +57,6 @@ from omniloop.trainer.backend import TrainerBackend
 from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
 from omniloop.trainer.config import AdvantageConfig
 from omniloop.trainer.reference import ReferencePolicy
-from omniloop.trainer.weight_sync import WeightSync, WeightSyncError
 from omniloop.trajectory import INFRA_STOP_REASONS
 
 if TYPE_CHECKING:
@@ -592,107 +590,3 @@ def set_thread_nice(nice: int, name: str) -> None:
 def _python_rng_state() -> list[Any]:
     version, internal, gauss = random.getstate()
     return [version, list(internal), gauss]
-
-
-SyncFactory = Callable[[list[str]], WeightSync]
-"""Engine URLs -> the configured `WeightSync` (`disk` or `distributed`) for exactly them."""
-
-
-class ActorWeights:
-    """The `sync` directive: the actor's current weights, published to every engine.
-
-    The engines may change during a run: `attach(url)` adds one (a new or restarted engine),
-    drops engines that no longer answer, and, when the actor has trained past the weights an
-    engine starts with, gives the new engine the current weights before returning, so that it
-    never serves stale ones. A change of engines builds a new `WeightSync` (a process group's
-    members are fixed) and closes the old one. Publishing and attaching are serialized with
-    each other and with whatever else holds `lock` (the actor's optimizer step), so weights are
-    never read mid-update.
-    """
-
-    def __init__(
-        self, backend: TrainerBackend, make_sync: SyncFactory, engine_urls: Sequence[str] = ()
-    ) -> None:
-        self._backend = backend
-        self._make_sync = make_sync
-        self._urls = list(engine_urls)
-        self._sync: WeightSync | None = make_sync(self._urls) if self._urls else None
-        self.lock = asyncio.Lock()
-
-    @property
-    def engine_urls(self) -> list[str]:
-        """The engines publishes go to."""
-        return list(self._urls)
-
-    def serves(self, url: str) -> bool:
-        """Whether the engine at `url` is attached."""
-        return url in self._urls
-
-    async def publish(self, version: int) -> dict[str, float]:
-        """Return once every engine serves the actor's weights as `version`."""
-        async with self.lock:
-            return await self._publish(version)
-
-    async def _publish(self, version: int) -> dict[str, float]:
-        started = time.perf_counter()
-        try:
-            metrics = await self._send(version)
-        except WeightSyncError:
-            # An engine that fails an update leaves the rotation (it is not left serving stale
-            # weights); its replacement, if any, gets the current weights when it attaches.
-            if not await self._drop_dead_engines():
-                raise
-            metrics = await self._send(version)
-        return {
-            **metrics,
-            "perf/sync_seconds": time.perf_counter() - started,
-            "weight_sync/engines": float(len(self._urls)),
-        }
-
-    async def _send(self, version: int) -> dict[str, float]:
-        if self._sync is None:
-            # No engine is attached (the last one died): whichever attaches next gets the
-            # current weights as it attaches.
-            return {}
-        return await self._sync.publish(self._backend.named_weights(), version)
-
-    async def _drop_dead_engines(self) -> bool:
-        """Remove engines that no longer answer and rebuild the sync; True if any was."""
-        alive = [url for url in self._urls if await _answers(url)]
-        if len(alive) == len(self._urls):
-            return False
-        self._urls = alive
-        if self._sync is not None:
-            with contextlib.suppress(Exception):
-                await self._sync.close()
-        self._sync = self._make_sync(alive) if alive else None
-        return True
-
-    async def attach(self, url: str, *, served_version: int = 0) -> None:
-        """Add the engine at `url` (which serves `served_version`) and give every engine the
-        actor's current weights if they are newer."""
-        async with self.lock:
-            alive = [u for u in self._urls if u != url and await _answers(u)]
-            self._urls = [*alive, url]
-            if self._sync is not None:
-                await self._sync.close()
-            self._sync = self._make_sync(self._urls)
-            if self._backend.version != served_version:
-                await self._publish(self._backend.version)
-
-    async def close(self) -> None:
-        """Close the current sync."""
-        if self._sync is not None:
-            await self._sync.close()
-            self._sync = None
-
-
-async def _answers(url: str) -> bool:
-    """Whether the engine at `url` answers its health check."""
-    import httpx
-
-    try:
-        async with httpx.AsyncClient(timeout=5.0) as client:
-            return (await client.get(f"{url}/health")).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from omniloop.inference.base import Engine
     from omniloop.platform.control.episode import SandboxProvider
     from omniloop.platform.control.faults import Retry
-    from omniloop.platform.control.local import ActorWeights, EpisodeRunner, LocalActor
+    from omniloop.platform.control.local import EpisodeRunner, LocalActor
     from omniloop.platform.data import DataPlane
+    from omniloop.platform.dcs.coordinator import WeightCoordinator
     from omniloop.rewards import RewardFn
 
 
@@ -206,17 +207,18 @@ async def episode_runner(
 @contextlib.asynccontextmanager
 async def actor_roles(
     config: RunConfig, engine_urls: list[str], data: DataPlane | None = None
-) -> AsyncIterator[tuple[LocalActor, ActorWeights]]:
+) -> AsyncIterator[tuple[LocalActor, WeightCoordinator]]:
     """The actor (trainer backend + data-plane reader) and its weight sync to `engine_urls`
     (more may be attached later), in this process or an actor replica. `data` is the reader
     (a new client by default)."""
     import functools
 
     from omniloop.inference.models import resolve_model
-    from omniloop.platform.control.local import ActorWeights, LocalActor
+    from omniloop.platform.control.local import LocalActor
     from omniloop.platform.data import DataPlane
+    from omniloop.platform.dcs import make_weight_sync
+    from omniloop.platform.dcs.coordinator import WeightCoordinator
     from omniloop.trainer.torch_backend import TorchTrainerBackend
-    from omniloop.trainer.weight_sync import make_weight_sync
 
     seed_everything(config.seed)
     async with contextlib.AsyncExitStack() as stack:
@@ -227,7 +229,7 @@ async def actor_roles(
         make_sync = functools.partial(
             make_weight_sync, config.sync, model_dir=resolve_model(config.model)
         )
-        weights = ActorWeights(backend, make_sync, engine_urls)
+        weights = WeightCoordinator(backend, make_sync, engine_urls)
         stack.push_async_callback(weights.close)
         actor = LocalActor(backend, data, config, lock=weights.lock)
         stack.callback(actor.close)

@@ -19,8 +19,8 @@ from pydantic import Field, model_validator
 from omniloop.config import StrictModel
 from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.platform.control.staleness import MaxStaleness
+from omniloop.platform.dcs.config import WeightSyncConfig
 from omniloop.trainer.config import TrainerConfig
-from omniloop.trainer.weight_sync import WeightSyncConfig
 
 
 class DataPlaneSettings(StrictModel):

@@ -17,7 +17,7 @@ from omniloop.inference.core import (
     parse_dtype,
 )
 from omniloop.inference.models import resolve_model
-from omniloop.trainer.weight_sync import plan_buckets
+from omniloop.platform.dcs import plan_buckets
 
 PROMPT = [1, 4093, 314, 260, 3575]
 

@@ -1,4 +1,5 @@
-"""Weight sync from a trainer to two real engines over HTTP, by disk and by gloo broadcast.
+"""Weight sync from a trainer to two real engines: by disk, by gloo broadcast, and by buckets
+fetched over HTTP (tcp).
 
 What must hold after `publish(weights, v)`: every engine reports `v`, samples what the trainer
 would (greedy tokens, and logprobs within 1e-4 in fp32), and never samples a response with a
@@ -18,15 +19,15 @@ import torch
 
 from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient
-from omniloop.processes import free_port
-from omniloop.trainer.batch import TrainBatch
-from omniloop.trainer.torch_backend import TorchTrainerBackend
-from omniloop.trainer.weight_sync import (
+from omniloop.platform.dcs import (
     WeightSync,
     WeightSyncConfig,
     WeightSyncError,
     make_weight_sync,
 )
+from omniloop.processes import free_port
+from omniloop.trainer.batch import TrainBatch
+from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta
 
 PROMPTS = [
@@ -35,7 +36,8 @@ PROMPTS = [
     [1, 9690, 28, 30, 31, 32],
 ]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
-METHODS = ["disk", "distributed"]
+METHODS = ["disk", "distributed", "tcp"]
+BUCKETED = ("distributed", "tcp")
 
 
 def sync_config(method: str, tmp_path: Path, update_mode: str = "in_place") -> WeightSyncConfig:
@@ -119,7 +121,7 @@ async def test_every_engine_generates_what_the_trainer_would(
     size = sum(t.numel() * t.element_size() for _, t in trainer.named_weights())
     assert metrics["weight_sync/bytes"] == size
     assert metrics["weight_sync/version"] == version
-    if method == "distributed":
+    if method in BUCKETED:
         assert metrics["weight_sync/buckets"] >= 4
     for engine in clients:
         assert await engine.get_weight_version() == version
@@ -373,7 +375,7 @@ async def test_weights_of_the_wrong_shape_fail_the_publish_and_change_nothing(
             assert await engine.get_weight_version() == good
             assert await engine.health_generate()
         pending = [asyncio.create_task(e.generate(PROMPTS[0], GREEDY)) for e in clients]
-        if method == "distributed":
+        if method in BUCKETED:
             # The earlier buckets landed: until a publish completes, the engines admit
             # nothing rather than sample with weights that may be a mix.
             await asyncio.sleep(0.5)
@@ -385,7 +387,7 @@ async def test_weights_of_the_wrong_shape_fail_the_publish_and_change_nothing(
         again = next_version()
         await sync.publish(trainer.named_weights(), again)
         assert [await e.get_weight_version() for e in clients] == [again] * len(clients)
-        if method == "distributed":
+        if method in BUCKETED:
             for out in await asyncio.gather(*pending):
                 assert (out.weight_version, out.output_ids) == (again, expected)
     finally:
