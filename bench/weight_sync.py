@@ -1,28 +1,34 @@
-"""Weight-sync seconds and GB/s, by disk and by gloo broadcast, beside raw loopback TCP.
+"""Weight-sync seconds and GB/s by gloo broadcast, by HTTP buckets (tcp) and by disk, beside
+raw loopback TCP, for 1, 2 and 4 engines; then syncs under load.
 
 Prints ONE JSON line. The weights of `--model` (SmolLM2: 134.5M parameters, ~0.54 GB fp32) are
-published to one local `omniloop engine serve` subprocess with `DiskWeightSync` (safetensors
-folder + `/update_weights_from_disk`) and `DistributedWeightSync` (gloo broadcast in
-`--bucket-mb` buckets + `/update_weights_from_distributed`). Each is warmed up once (the
-distributed warm-up also builds the process group, reported as `distributed_connect_s`), then
-measured `--repeats` times; the rounds interleave the two paths with a loopback measurement
-(one TCP connection on 127.0.0.1 carrying the same number of bytes, sender and receiver on two
-threads, receive buffer pre-touched), so changing machine load hits all three alike. Times
-are medians over the rounds. A sync's time runs from `publish` to every engine having answered
-(weights copied in, version set), so it includes the engine's copy into its model, not only the
-transfer. CPU seconds of this process and of the engine, and the load average, are reported
-because on a shared machine wall time alone is noise.
+published to `--engines` local `omniloop engine serve` subprocesses (the largest count is
+started once; each count uses the first engines) with `DistributedWeightSync` (gloo broadcast
+in `--bucket-mb` buckets + `/update_weights_from_distributed`), `TcpWeightSync` (the engines
+fetch checksummed buckets from the bench's bucket server, `/update_weights_from_tcp`) and
+`DiskWeightSync` (safetensors folder + `/update_weights_from_disk`). Each is warmed up once
+(the distributed warm-up also builds the process group, reported as `distributed_connect_s`),
+then measured `--repeats` times; the rounds interleave the methods with a loopback measurement
+(one TCP connection on 127.0.0.1 carrying the model's bytes once, sender and receiver on two
+threads, receive buffer pre-touched), so changing machine load hits all alike. Times are
+medians over the rounds. A sync's time runs from `publish` to every engine having answered
+(weights copied in, version set), so it includes the engines' copy into their models, not only
+the transfer; `*_gbps` is the model's bytes over that time (each engine receives all of them,
+so with N engines N times as many bytes moved). The top-level keys are those of the smallest
+engine count (`tcp_gbps`, `distributed_gbps`, `*_vs_loopback`); `by_engines` has every count.
+CPU seconds of this process and of the engines, and the load average, are reported because
+on a shared machine wall time alone is noise.
 
-Then, under load: `--lanes` requests keep generating on the engine (64 tokens each, sampled,
-one after another per lane) while the trainer publishes `--load-syncs` times in each
-`update_mode`. `stall_ms` is the median time generation stood still per in-place sync (from
-every engine paused to every engine continued, as the trainer saw it: the load and two HTTP
-round trips); `drain_publish_s` the median publish time in drain mode, which waits for the
-running requests first; `aborted_requests` counts requests that ended `abort`, in both modes
-(the invariant is 0); `mid_response_updates` counts responses sampled by two versions (proof
-that in-place updates landed while requests decoded).
+Then, under load, on one engine: `--lanes` requests keep generating (64 tokens each, sampled,
+one after another per lane) while the trainer publishes `--load-syncs` times by gloo in each
+`update_mode`, and by tcp in place. `stall_ms` (`tcp_stall_ms`) is the median time generation
+stood still per in-place sync (from every engine paused to every engine continued, as the
+trainer saw it: the load and two HTTP round trips); `drain_publish_s` the median publish time
+in drain mode, which waits for the running requests first; `aborted_requests` counts requests
+that ended `abort`, in every mode (the invariant is 0); `mid_response_updates` counts
+responses sampled by two versions (proof that in-place updates landed while requests decoded).
 
-    .venv/bin/python bench/weight_sync.py [--model smollm2] [--repeats 3] [--bucket-mb 256]
+    .venv/bin/python bench/weight_sync.py [--model smollm2] [--engines 1,2,4] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -113,13 +119,23 @@ async def under_load(
     """Publish `args.load_syncs` times per update mode while `args.lanes` requests generate."""
     from omniloop.inference.base import GenerateOutput, SamplingParams
     from omniloop.inference.client import EngineClient
+    from omniloop.platform.dcs import WeightSync
     from omniloop.platform.dcs.distributed import DistributedWeightSync
+    from omniloop.platform.dcs.tcp import TcpWeightSync
 
     results: dict[str, Any] = {}
     async with EngineClient(url, timeout=600) as client:
-        for mode in ("in_place", "drain"):
-            sync = DistributedWeightSync(
-                [url], bucket_mb=args.bucket_mb, timeout_s=600, update_mode=mode
+        for key, mode in (
+            ("in_place", "in_place"),
+            ("drain", "drain"),
+            ("tcp_in_place", "in_place"),
+        ):
+            sync: WeightSync = (
+                TcpWeightSync([url], bucket_mb=args.bucket_mb, timeout_s=600, update_mode=mode)
+                if key.startswith("tcp")
+                else DistributedWeightSync(
+                    [url], bucket_mb=args.bucket_mb, timeout_s=600, update_mode=mode
+                )
             )
             outputs: list[GenerateOutput] = []
             stop = asyncio.Event()
@@ -150,7 +166,7 @@ async def under_load(
                 stop.set()
                 await asyncio.gather(*lanes, return_exceptions=True)
                 await sync.close()
-            results[mode] = {
+            results[key] = {
                 "publish_s": round(statistics.median(publish), 4),
                 "paused_ms": round(1000 * statistics.median(paused), 1),
                 "responses": len(outputs),
@@ -160,87 +176,126 @@ async def under_load(
     return results, version
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
+async def measure(
+    urls: list[str],
+    procs: list[subprocess.Popen[str]],
+    named: list[tuple[str, torch.Tensor]],
+    version: int,
+    args: argparse.Namespace,
+) -> tuple[dict[str, Any], int]:
+    """Every method's publish to the engines at `urls`, `args.repeats` rounds interleaved with
+    a loopback measurement; medians."""
     from omniloop.inference.client import EngineClient
     from omniloop.inference.models import resolve_model
+    from omniloop.platform.dcs import WeightSync
     from omniloop.platform.dcs.disk import DiskWeightSync
     from omniloop.platform.dcs.distributed import DistributedWeightSync
+    from omniloop.platform.dcs.tcp import TcpWeightSync
 
-    named = load_weights(args.model)
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
-    load_start = os.getloadavg()
-    proc, url = start_engine(args.model, args.threads)
     staging = Path(tempfile.mkdtemp(prefix="omniloop-bench-weights-"))
-    distributed = DistributedWeightSync([url], bucket_mb=args.bucket_mb, timeout_s=600)
-    disk = DiskWeightSync([url], staging, model_dir=resolve_model(args.model), timeout_s=600)
-    times: dict[str, list[float]] = {"loopback": [], "distributed": [], "disk": []}
-    cpu_bench = {"distributed": 0.0, "disk": 0.0}
-    cpu_engine = {"distributed": 0.0, "disk": 0.0}
-    version = 0
+    syncs: dict[str, WeightSync] = {
+        "distributed": DistributedWeightSync(urls, bucket_mb=args.bucket_mb, timeout_s=600),
+        "tcp": TcpWeightSync(urls, bucket_mb=args.bucket_mb, timeout_s=600),
+        "disk": DiskWeightSync(urls, staging, model_dir=resolve_model(args.model), timeout_s=600),
+    }
+    times: dict[str, list[float]] = {"loopback": [], **{name: [] for name in syncs}}
+    cpu_bench = dict.fromkeys(syncs, 0.0)
+    cpu_engines = dict.fromkeys(syncs, 0.0)
+    extra: dict[str, list[float]] = {"disk_save": [], "disk_load": [], "tcp_pack": []}
     try:
-        version += 1
-        warm = await distributed.publish(named, version)
-        connect = warm["weight_sync/connect_seconds"]
-        buckets = warm["weight_sync/buckets"]
-        version += 1
-        await disk.publish(named, version)
-        disk_parts: dict[str, list[float]] = {"save": [], "load": []}
+        for name, sync in syncs.items():
+            version += 1
+            warm = await sync.publish(named, version)
+            if name == "distributed":
+                connect = warm["weight_sync/connect_seconds"]
+                buckets = warm["weight_sync/buckets"]
         for _ in range(args.repeats):
             times["loopback"].append(loopback_seconds(nbytes))
-            for name, sync in (("distributed", distributed), ("disk", disk)):
+            for name, sync in syncs.items():
                 version += 1
-                cpu0, eng0 = time.process_time(), cpu_seconds_of(proc.pid)
+                cpu0, eng0 = time.process_time(), sum(cpu_seconds_of(p.pid) for p in procs)
                 metrics = await sync.publish(named, version)
                 cpu_bench[name] += time.process_time() - cpu0
-                cpu_engine[name] += cpu_seconds_of(proc.pid) - eng0
+                cpu_engines[name] += sum(cpu_seconds_of(p.pid) for p in procs) - eng0
                 times[name].append(metrics["weight_sync/seconds"])
                 if name == "disk":
-                    disk_parts["save"].append(metrics["weight_sync/save_seconds"])
-                    disk_parts["load"].append(metrics["weight_sync/load_seconds"])
-        async with EngineClient(url) as client:
-            served = await client.get_weight_version()
-        if served != version:
-            raise RuntimeError(f"the engine serves version {served}, expected {version}")
-        loaded, version = await under_load(url, named, version, args)
+                    extra["disk_save"].append(metrics["weight_sync/save_seconds"])
+                    extra["disk_load"].append(metrics["weight_sync/load_seconds"])
+                if name == "tcp":
+                    extra["tcp_pack"].append(metrics["weight_sync/pack_seconds"])
+        for url in urls:
+            async with EngineClient(url) as client:
+                served = await client.get_weight_version()
+            if served != version:
+                raise RuntimeError(f"engine {url} serves version {served}, expected {version}")
     finally:
-        await distributed.close()
-        await disk.close()
+        for sync in syncs.values():
+            await sync.close()
         shutil.rmtree(staging, ignore_errors=True)
-        proc.terminate()
-        proc.wait(timeout=30)
 
     median = {k: statistics.median(v) for k, v in times.items()}
     gbps = {k: nbytes / v / 1e9 for k, v in median.items()}
+    out: dict[str, Any] = {"engines": len(urls), "buckets": int(buckets)}
+    for name in syncs:
+        out[f"{name}_s"] = round(median[name], 4)
+        out[f"{name}_gbps"] = round(gbps[name], 3)
+    out |= {
+        "disk_save_s": round(statistics.median(extra["disk_save"]), 4),
+        "disk_load_s": round(statistics.median(extra["disk_load"]), 4),
+        "tcp_pack_s": round(statistics.median(extra["tcp_pack"]), 4),
+        "distributed_connect_s": round(connect, 4),
+        "loopback_s": round(median["loopback"], 4),
+        "loopback_gbps": round(gbps["loopback"], 3),
+        "distributed_vs_loopback": round(gbps["distributed"] / gbps["loopback"], 3),
+        "tcp_vs_loopback": round(gbps["tcp"] / gbps["loopback"], 3),
+        "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
+        "cpu_s_per_sync": {
+            k: {
+                "bench": round(cpu_bench[k] / args.repeats, 3),
+                "engines": round(cpu_engines[k] / args.repeats, 3),
+            }
+            for k in syncs
+        },
+    }
+    return out, version
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    named = load_weights(args.model)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    load_start = os.getloadavg()
+    counts = sorted({int(n) for n in args.engines.split(",")})
+    started = [start_engine(args.model, args.threads) for _ in range(max(counts))]
+    procs = [proc for proc, _ in started]
+    urls = [url for _, url in started]
+    version = 0
+    by_engines: dict[str, dict[str, Any]] = {}
+    try:
+        for n in counts:
+            by_engines[str(n)], version = await measure(urls[:n], procs[:n], named, version, args)
+        loaded, version = await under_load(urls[0], named, version, args)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+    one = by_engines[str(counts[0])]
     return {
         "bench": "weight_sync",
         "model": args.model,
         "bytes": nbytes,
         "tensors": len(named),
-        "engines": 1,
+        "engines": counts,
         "repeats": args.repeats,
         "bucket_mb": args.bucket_mb,
-        "buckets": int(buckets),
-        "disk_s": round(median["disk"], 4),
-        "disk_gbps": round(gbps["disk"], 3),
-        "disk_save_s": round(statistics.median(disk_parts["save"]), 4),
-        "disk_load_s": round(statistics.median(disk_parts["load"]), 4),
-        "distributed_s": round(median["distributed"], 4),
-        "distributed_gbps": round(gbps["distributed"], 3),
-        "distributed_connect_s": round(connect, 4),
-        "loopback_s": round(median["loopback"], 4),
-        "loopback_gbps": round(gbps["loopback"], 3),
-        "distributed_vs_loopback": round(gbps["distributed"] / gbps["loopback"], 3),
-        "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
-        "cpu_s_per_sync": {
-            k: {
-                "bench": round(cpu_bench[k] / args.repeats, 3),
-                "engine": round(cpu_engine[k] / args.repeats, 3),
-            }
-            for k in cpu_bench
-        },
+        **{k: v for k, v in one.items() if k not in ("engines", "runs_s", "cpu_s_per_sync")},
+        "by_engines": by_engines,
         "stall_ms": loaded["in_place"]["paused_ms"],
+        "tcp_stall_ms": loaded["tcp_in_place"]["paused_ms"],
         "drain_publish_s": loaded["drain"]["publish_s"],
-        "aborted_requests": loaded["in_place"]["aborted"] + loaded["drain"]["aborted"],
+        "aborted_requests": sum(row["aborted"] for row in loaded.values()),
         "under_load": {"lanes": args.lanes, "syncs_per_mode": args.load_syncs, **loaded},
         "threads": args.threads,
         "loadavg_start": [round(x, 2) for x in load_start],
@@ -252,6 +307,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engines", default="1,2,4", help="engine counts, comma-separated")
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, both processes")
     parser.add_argument("--lanes", type=int, default=4, help="requests generating under load")
