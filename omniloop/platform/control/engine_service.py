@@ -8,28 +8,24 @@ gives it the current weights (`WeightCoordinator.attach`). An engine it launched
 (`spawn_engine(die_with_parent=True)`), so a SIGKILLed replica leaves no engine behind, and its
 replacement launches a fresh one that gets the current weights before its first request.
 
-Rollout replicas reach engines through `ServiceEngine`, an `Engine` that asks the engine
-deployment for an engine's URL and sends `/generate` there directly (tokens do not travel
-through Serve). When the engine stops answering (its process died, its replica was replaced),
-the request is sent again to the engine the deployment names next, for up to
-`services.engine_wait_s`; sampling is idempotent (a failed request returned no tokens), so an
-episode waiting on a dead engine resumes on the new one. Past that wait the request fails as
-`EngineError`, the episode is `engine_error`, and the run's infra-error bound decides.
+Rollout replicas reach engines through an `EngineRouter` (`omniloop.inference.router`) over
+the actor's rotation (the engines that serve the current weights) and send `/generate` there
+directly (tokens do not travel through Serve), keeping each episode on one engine. When an
+engine stops answering (its process died, its replica was replaced), the request goes to
+another engine in rotation, or waits for the replacement to attach, for up to
+`services.engine_wait_s`; sampling is idempotent (a failed request returned no tokens). Past
+that wait the request fails as `EngineError`, the episode is `engine_error`, and the run's
+infra-error bound decides.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from omniloop.errors import EngineError
-from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient
 from omniloop.platform.control.run_config import RunConfig
 
@@ -99,62 +95,3 @@ class EngineServer:
     async def __del__(self) -> None:
         if self._proc is not None:
             await asyncio.to_thread(self._stop, self._proc)
-
-
-def _unreachable(err: EngineError) -> bool:
-    """Whether `err` means the engine could not be reached (not that it refused the request)."""
-    return isinstance(err.__cause__, httpx.TransportError)
-
-
-class ServiceEngine:
-    """An `Engine` over the engine deployment (module docstring)."""
-
-    def __init__(self, handle: Any, wait_s: float) -> None:
-        self._handle = handle
-        self._wait_s = wait_s
-        self._client: EngineClient | None = None
-
-    async def _engine(self) -> EngineClient | None:
-        """The client of the engine in use, or of the one the deployment names now; None if
-        it names none (its replica died or is being replaced)."""
-        from omniloop.platform.control.services import classify_failure
-
-        if self._client is not None:
-            return self._client
-        try:
-            url: str = await self._handle.url.remote()
-        except Exception as err:
-            if classify_failure(err) is None:
-                raise
-            return None
-        self._client = EngineClient(url)
-        return self._client
-
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
-        deadline = time.monotonic() + self._wait_s
-        last: EngineError | None = None
-        while time.monotonic() < deadline:
-            engine = await self._engine()
-            if engine is not None:
-                try:
-                    return await engine.generate(input_ids, sampling)
-                except EngineError as err:
-                    if not _unreachable(err):
-                        raise
-                    last = err
-                    # Ask the deployment again: the engine may have been replaced.
-                    if self._client is engine:
-                        self._client = None
-                        with contextlib.suppress(Exception):
-                            await engine.aclose()
-            await asyncio.sleep(0.5)
-        raise EngineError(
-            f"no engine answered within services.engine_wait_s={self._wait_s:g}s"
-            + (f" (last: {last})" if last else "")
-        )
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                await self._client.aclose()
-            self._client = None

@@ -44,6 +44,7 @@ from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.errors import RoleLost
 from omniloop.inference.base import Engine
+from omniloop.inference.router import for_session
 from omniloop.platform.control.components import episode_plan
 from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
 from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
@@ -203,7 +204,8 @@ class EpisodeRunner:
             trajectory = await run_episode(
                 self._agent,
                 task,
-                engine=self._engine,
+                # One engine per episode while it can: its history stays in that prefix cache.
+                engine=for_session(self._engine, settings.episode_id),
                 chat=self._chat,
                 sandbox_provider=self._sandboxes,
                 rewards=self._rewards,

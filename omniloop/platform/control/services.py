@@ -13,8 +13,9 @@ reached by the controller only through a `DeploymentHandle` behind the protocols
 - `sandbox` (`sandbox_service.SandboxServer`, `services.sandbox_replicas`): sandboxd, the only
   process that creates sandboxes; each replica serves its own over HTTP.
 - `rollout` (`RolloutServer`, `services.rollout_replicas`): one request per episode; each
-  replica has its own data-plane client and store connection, reaches engines through
-  `ServiceEngine`, sandboxes through `ServiceSandboxes` and rewards through `RemoteReward`s,
+  replica has its own data-plane client and store connection, reaches engines through an
+  `EngineRouter` over the actor's rotation (session affinity per episode), sandboxes
+  through `ServiceSandboxes` and rewards through `RemoteReward`s,
   and runs up to its share of `rollout.concurrency` episodes at once (`max_ongoing_requests`).
 - `advantage` (`AdvantageServer`): one request per step, which reads the step whole.
 - `reference` (`ReferenceServer`, only with `trainer.reference=external` and a KL penalty):
@@ -25,10 +26,10 @@ reached by the controller only through a `DeploymentHandle` behind the protocols
 What a dead replica costs: Serve replaces it (health checks: `check_health` tests what the
 role needs, every `services.health_check_period_s`); an episode it was running (or whose
 sandbox replica died) is re-run as `attempt + 1` under the same trajectory id, a step's
-advantages are computed again (`faults.Retry`); an engine's episodes wait for its
-replacement; a lost actor is restored from the newest checkpoint by the controller
-(`ActorLost`, `train_loop`). A full queue refuses
-calls (`BackPressureError`), which the controller waits out and retries; nothing is dropped.
+advantages are computed again (`faults.Retry`); an engine's episodes go on on another
+engine in rotation, or wait for its replacement; a lost actor is restored from the newest
+checkpoint by the controller (`ActorLost`, `train_loop`). A full queue refuses calls
+(`BackPressureError`), which the controller waits out and retries; nothing is dropped.
 """
 
 from __future__ import annotations
@@ -128,13 +129,20 @@ class RolloutServer:
     # Serve awaits an async constructor; mypy knows no such thing.
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
         enter_run_folder(cwd, paths)
-        from omniloop.platform.control.engine_service import ServiceEngine
+        from omniloop.inference.router import EngineRouter
         from omniloop.platform.control.reward_service import remote_rewards
         from omniloop.platform.control.run import episode_runner
         from omniloop.platform.control.sandbox_service import ServiceSandboxes
 
         self._stack = contextlib.AsyncExitStack()
-        engine = ServiceEngine(serve.get_app_handle("engine"), config.services.engine_wait_s)
+        actor = serve.get_app_handle("actor")
+
+        async def rotation() -> list[str]:
+            urls: list[str] = await actor.engine_urls.remote()
+            return urls
+
+        # Requests go to the engines the actor's coordinator has given the current weights.
+        engine = EngineRouter(rotation, wait_s=config.services.engine_wait_s)
         self._stack.push_async_callback(engine.aclose)
         sandboxes = ServiceSandboxes(
             serve.get_app_handle("sandbox"), config.rollout.sandbox, config.services.sandbox_wait_s
@@ -258,6 +266,10 @@ class ActorServer:
 
     async def engines(self) -> int:
         return len(self._weights.engine_urls)
+
+    async def engine_urls(self) -> list[str]:
+        """The engines in rotation (serving the current weights)."""
+        return self._weights.engine_urls
 
     async def publish(self, version: int) -> dict[str, float]:
         return await self._weights.publish(version)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -17,6 +18,8 @@ from typing import Protocol
 from torch import Tensor
 
 from omniloop.platform.dcs.base import WeightSync, WeightSyncError
+
+log = logging.getLogger(__name__)
 
 
 class WeightSource(Protocol):
@@ -38,16 +41,27 @@ them."""
 
 
 class WeightCoordinator:
-    """The run's engines and the versions they serve: the actor's current weights,
-    published to every engine.
+    """The run's engines, which of them are in rotation, and the weights they serve.
 
-    The engines may change during a run: `attach(url)` adds one (a new or restarted engine),
-    drops engines that no longer answer, and, when the actor has trained past the weights an
-    engine starts with, gives the new engine the current weights before returning, so that it
-    never serves stale ones. A change of engines builds a new `WeightSync` (a process group's
-    members are fixed) and closes the old one. Publishing and attaching are serialized with
-    each other and with whatever else holds `lock` (the actor's optimizer step), so weights are
-    never read mid-update.
+    Publishes go to every member engine; the rotation (`engine_urls`, what rollouts route
+    requests to) holds only members that serve the actor's current weights. The engines may
+    change during a run:
+
+    - `attach(url)` makes an engine a member (a new or restarted one, or one added by hand),
+      drops members that no longer answer, and gives it the current weights when it serves
+      older ones; it enters the rotation only once it holds them, so it never serves stale
+      weights.
+    - A publish that fails is tried again without the members that no longer answer; if it
+      fails again, each member is published to alone, and those that fail leave the members
+      and the rotation (left paused, admitting nothing, never serving stale weights
+      silently); the publish fails only when every member does.
+    - `detach(url)` takes an engine out of the rotation at once (rollouts send it no new
+      request), then, after `drain_s` for the requests it was serving, out of the members.
+
+    A change of members builds a new `WeightSync` (a process group's members are fixed) and
+    closes the old one. Publishing, attaching and detaching are serialized with each other and
+    with whatever else holds `lock` (the actor's optimizer step), so weights are never read
+    mid-update.
     """
 
     def __init__(
@@ -56,20 +70,30 @@ class WeightCoordinator:
         self._source = source
         self._make_sync = make_sync
         self._urls = list(engine_urls)
+        self._ready = set(self._urls)
+        """Members known to serve the current weights (the rotation)."""
         self._sync: WeightSync | None = make_sync(self._urls) if self._urls else None
+        self.dropped = 0
+        """Members dropped because they failed an update while answering."""
         self.lock = asyncio.Lock()
 
     @property
     def engine_urls(self) -> list[str]:
-        """The engines publishes go to."""
+        """The rotation: members that serve the current weights."""
+        return [u for u in self._urls if u in self._ready]
+
+    @property
+    def members(self) -> list[str]:
+        """Every engine publishes go to (the rotation, and engines still being given the
+        current weights or draining)."""
         return list(self._urls)
 
     def serves(self, url: str) -> bool:
-        """Whether the engine at `url` is attached."""
+        """Whether the engine at `url` is a member."""
         return url in self._urls
 
     async def publish(self, version: int) -> dict[str, float]:
-        """Return once every engine serves the actor's weights as `version`."""
+        """Return once every member serves the actor's weights as `version`."""
         async with self.lock:
             return await self._publish(version)
 
@@ -78,15 +102,16 @@ class WeightCoordinator:
         try:
             metrics = await self._send(version)
         except WeightSyncError:
-            # An engine that fails an update leaves the rotation (it is not left serving stale
-            # weights); its replacement, if any, gets the current weights when it attaches.
-            if not await self._drop_dead_engines():
-                raise
-            metrics = await self._send(version)
+            if await self._drop_dead_engines():
+                metrics = await self._send_or_isolate(version)
+            else:
+                metrics = await self._isolate_failures(version)
+        self._ready = set(self._urls)
         return {
             **metrics,
             "perf/sync_seconds": time.perf_counter() - started,
             "weight_sync/engines": float(len(self._urls)),
+            "weight_sync/dropped_engines": float(self.dropped),
         }
 
     async def _send(self, version: int) -> dict[str, float]:
@@ -96,29 +121,76 @@ class WeightCoordinator:
             return {}
         return await self._sync.publish(self._source.named_weights(), version)
 
+    async def _send_or_isolate(self, version: int) -> dict[str, float]:
+        try:
+            return await self._send(version)
+        except WeightSyncError:
+            return await self._isolate_failures(version)
+
+    async def _isolate_failures(self, version: int) -> dict[str, float]:
+        """Publish to each member alone; drop those that fail (raise if all do)."""
+        good: list[str] = []
+        failures: dict[str, WeightSyncError] = {}
+        for url in self._urls:
+            sync = self._make_sync([url])
+            try:
+                await sync.publish(self._source.named_weights(), version)
+                good.append(url)
+            except WeightSyncError as err:
+                failures[url] = err
+            finally:
+                with contextlib.suppress(Exception):
+                    await sync.close()
+        if not good:
+            raise next(iter(failures.values()))
+        for url, failure in failures.items():
+            log.warning(
+                "engine %s failed weight update v%d and leaves the run: %s", url, version, failure
+            )
+        self.dropped += len(failures)
+        await self._set_members(good)
+        return {}
+
+    async def _set_members(self, urls: list[str]) -> None:
+        self._urls = urls
+        self._ready &= set(urls)
+        if self._sync is not None:
+            with contextlib.suppress(Exception):
+                await self._sync.close()
+        self._sync = self._make_sync(urls) if urls else None
+
     async def _drop_dead_engines(self) -> bool:
         """Remove engines that no longer answer and rebuild the sync; True if any was."""
         alive = [url for url in self._urls if await _answers(url)]
         if len(alive) == len(self._urls):
             return False
-        self._urls = alive
-        if self._sync is not None:
-            with contextlib.suppress(Exception):
-                await self._sync.close()
-        self._sync = self._make_sync(alive) if alive else None
+        await self._set_members(alive)
         return True
 
     async def attach(self, url: str, *, served_version: int = 0) -> None:
-        """Add the engine at `url` (which serves `served_version`) and give every engine the
-        actor's current weights if they are newer."""
+        """Make the engine at `url` (which serves `served_version`) a member; it enters the
+        rotation once it serves the actor's current weights."""
+        url = url.rstrip("/")
         async with self.lock:
             alive = [u for u in self._urls if u != url and await _answers(u)]
-            self._urls = [*alive, url]
-            if self._sync is not None:
-                await self._sync.close()
-            self._sync = self._make_sync(self._urls)
+            self._ready.discard(url)
+            await self._set_members([*alive, url])
             if self._source.version != served_version:
                 await self._publish(self._source.version)
+            self._ready.add(url)
+
+    async def detach(self, url: str, *, drain_s: float = 5.0) -> bool:
+        """Take the engine at `url` out of the rotation, wait `drain_s` for the requests it
+        serves, then out of the members; False if it was not a member."""
+        url = url.rstrip("/")
+        if url not in self._urls:
+            return False
+        self._ready.discard(url)
+        await asyncio.sleep(drain_s)
+        async with self.lock:
+            if url in self._urls:
+                await self._set_members([u for u in self._urls if u != url])
+        return True
 
     async def close(self) -> None:
         """Close the current sync."""

@@ -51,6 +51,16 @@ def _wait_ready(proc: subprocess.Popen[bytes], log: Path, deadline: float) -> st
         time.sleep(0.1)
 
 
+def _spawn(model: str, log: Path) -> subprocess.Popen[bytes]:
+    exe = Path(sys.executable).parent / "omniloop"
+    cmd = [
+        str(exe), "engine", "serve", "--model", model, "--port", "0",
+        "--threads", "1", "--max-batch", "8", "--max-context", str(MAX_CONTEXT),
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+
 @pytest.fixture(scope="session")
 def engine_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     """URLs of two `omniloop engine serve --model tiny` subprocesses (one thread each).
@@ -59,21 +69,32 @@ def engine_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]
     Every test publishes the weights it checks, so the order of tests does not matter.
     """
     folder = tmp_path_factory.mktemp("sync-engines")
-    exe = Path(sys.executable).parent / "omniloop"
     procs: list[tuple[subprocess.Popen[bytes], Path]] = []
     try:
         for i in range(ENGINES):
             log = folder / f"engine{i}.log"
-            cmd = [
-                str(exe), "engine", "serve", "--model", "tiny", "--port", "0",
-                "--threads", "1", "--max-batch", "8", "--max-context", str(MAX_CONTEXT),
-            ]  # fmt: skip
-            with log.open("wb") as out:
-                procs.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT), log))
+            procs.append((_spawn("tiny", log), log))
         deadline = time.monotonic() + 180
         yield [_wait_ready(proc, log, deadline) for proc, log in procs]
     finally:
         for proc, _ in procs:
+            _stop(proc)
+
+
+@pytest.fixture
+def serve_engine(tmp_path: Path) -> Iterator[Callable[[str], str]]:
+    """`serve_engine(model)`: the URL of one more engine subprocess, for this test only."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def serve(model: str) -> str:
+        log = tmp_path / f"extra-engine{len(procs)}.log"
+        procs.append(_spawn(model, log))
+        return _wait_ready(procs[-1], log, time.monotonic() + 180)
+
+    try:
+        yield serve
+    finally:
+        for proc in procs:
             _stop(proc)
 
 
