@@ -1,11 +1,12 @@
 """The api role: the REST API and the dashboard of a run, as a Ray Serve deployment.
 
 Each `ApiServer` replica is the app `omniloop serve` builds (`/v1`, `/metrics`, the dashboard)
-over the run's store, behind Ray Serve's HTTP proxy on `services.api_host:services.api_port`.
-It runs no episodes of its own (`concurrency: 0`; submitted episodes stay queued for an
-`omniloop serve` that shares the store) and leaves the store's queue alone at start-up. Reads
-only: a replica that dies costs nothing but the requests it was answering, which the proxy
-answers 503 until Serve has replaced it.
+over the run's store, with the run's engines at `/v1/rollout/engines` (`engine_routes`),
+behind Ray Serve's HTTP proxy on `services.api_host:services.api_port`. It runs no episodes of
+its own (`concurrency: 0`; submitted episodes stay queued for an `omniloop serve` that shares
+the store) and leaves the store's queue alone at start-up. Apart from adding and removing
+engines it only reads: a replica that dies costs nothing but the requests it was answering,
+which the proxy answers 503 until Serve has replaced it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ class ApiServer:
     def __serve_build_asgi_app__(self) -> Any:
         from omniloop.platform.api.app import create_app
         from omniloop.platform.api.cli import web_routes
+        from omniloop.platform.control.engine_routes import engine_router
 
-        return create_app(self._settings, extra_routes=web_routes())
+        return create_app(self._settings, extra_routes=[engine_router(), *web_routes()])
 
     async def check_health(self) -> None:
         # What the replica needs beyond its process: the store answers.

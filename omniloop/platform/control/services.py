@@ -275,7 +275,31 @@ class ActorServer:
         return await self._weights.publish(version)
 
     async def attach_engine(self, url: str, served_version: int) -> None:
-        await self._weights.attach(url, served_version=served_version)
+        """An engine replica registers its engine (not one removed by hand)."""
+        await self._weights.attach(url, served_version=served_version, explicit=False)
+
+    async def engine_table(self) -> list[dict[str, object]]:
+        """The engines the weights go to, and whether each is in rotation."""
+        return self._weights.table()
+
+    async def add_engine(self, url: str) -> str | None:
+        """Add the engine at `url` (started anywhere) by hand: it gets the current weights,
+        then enters the rotation. Returns why it could not, or None."""
+        from omniloop.errors import EngineError
+        from omniloop.inference.client import EngineClient
+
+        try:
+            async with EngineClient(url, timeout=30) as engine:
+                served = await engine.get_weight_version()
+            await self._weights.attach(url, served_version=served)
+        except EngineError as err:
+            return str(err)
+        return None
+
+    async def remove_engine(self, url: str, drain_s: float) -> bool:
+        """Take the engine at `url` out of the rotation, then (after `drain_s`) out of the
+        run; False if it was not in it."""
+        return await self._weights.detach(url, drain_s=drain_s)
 
     async def check_health(self) -> None:
         _check_data_plane()

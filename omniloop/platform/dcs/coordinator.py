@@ -56,7 +56,8 @@ class WeightCoordinator:
       and the rotation (left paused, admitting nothing, never serving stale weights
       silently); the publish fails only when every member does.
     - `detach(url)` takes an engine out of the rotation at once (rollouts send it no new
-      request), then, after `drain_s` for the requests it was serving, out of the members.
+      request), then, after `drain_s` for the requests it was serving, out of the members;
+      until an explicit `attach`, it stays out.
 
     A change of members builds a new `WeightSync` (a process group's members are fixed) and
     closes the old one. Publishing, attaching and detaching are serialized with each other and
@@ -73,6 +74,8 @@ class WeightCoordinator:
         self._ready = set(self._urls)
         """Members known to serve the current weights (the rotation)."""
         self._sync: WeightSync | None = make_sync(self._urls) if self._urls else None
+        self._removed: set[str] = set()
+        """Engines detached by hand: their replicas' re-registration does not bring them back."""
         self.dropped = 0
         """Members dropped because they failed an update while answering."""
         self.lock = asyncio.Lock()
@@ -89,8 +92,12 @@ class WeightCoordinator:
         return list(self._urls)
 
     def serves(self, url: str) -> bool:
-        """Whether the engine at `url` is a member."""
-        return url in self._urls
+        """Whether the engine at `url` is a member (or was detached by hand: it is known)."""
+        return url in self._urls or url in self._removed
+
+    def table(self) -> list[dict[str, object]]:
+        """Each member: `url`, and `in_rotation` (it serves the current weights)."""
+        return [{"url": u, "in_rotation": u in self._ready} for u in self._urls]
 
     async def publish(self, version: int) -> dict[str, float]:
         """Return once every member serves the actor's weights as `version`."""
@@ -106,7 +113,8 @@ class WeightCoordinator:
                 metrics = await self._send_or_isolate(version)
             else:
                 metrics = await self._isolate_failures(version)
-        self._ready = set(self._urls)
+        # Every member now holds `version`; one being detached stays out of the rotation.
+        self._ready = set(self._urls) - self._removed
         return {
             **metrics,
             "perf/sync_seconds": time.perf_counter() - started,
@@ -167,10 +175,15 @@ class WeightCoordinator:
         await self._set_members(alive)
         return True
 
-    async def attach(self, url: str, *, served_version: int = 0) -> None:
+    async def attach(self, url: str, *, served_version: int = 0, explicit: bool = True) -> bool:
         """Make the engine at `url` (which serves `served_version`) a member; it enters the
-        rotation once it serves the actor's current weights."""
+        rotation once it serves the actor's current weights. An engine detached earlier is
+        attached again only `explicit`ly (by hand, not by its replica re-registering it);
+        returns whether it is a member now."""
         url = url.rstrip("/")
+        if url in self._removed and not explicit:
+            return False
+        self._removed.discard(url)
         async with self.lock:
             alive = [u for u in self._urls if u != url and await _answers(u)]
             self._ready.discard(url)
@@ -178,6 +191,7 @@ class WeightCoordinator:
             if self._source.version != served_version:
                 await self._publish(self._source.version)
             self._ready.add(url)
+        return True
 
     async def detach(self, url: str, *, drain_s: float = 5.0) -> bool:
         """Take the engine at `url` out of the rotation, wait `drain_s` for the requests it
@@ -185,6 +199,7 @@ class WeightCoordinator:
         url = url.rstrip("/")
         if url not in self._urls:
             return False
+        self._removed.add(url)
         self._ready.discard(url)
         await asyncio.sleep(drain_s)
         async with self.lock:

@@ -120,10 +120,16 @@ async def test_a_detached_engine_leaves_the_rotation_at_once_and_the_members_aft
     trainer = make_trainer(perturb_seed=54)
     coord = coordinator(trainer, list(engine_urls))
     try:
-        detaching = asyncio.create_task(coord.detach(engine_urls[1], drain_s=0.5))
+        detaching = asyncio.create_task(coord.detach(engine_urls[1], drain_s=1.5))
         await asyncio.sleep(0.1)
         assert coord.engine_urls == engine_urls[:1]
         assert coord.members == engine_urls
+        # Still a member while it drains: a publish reaches it, but it stays out of rotation.
+        during = next_version()
+        await coord.publish(during)
+        assert coord.engine_urls == engine_urls[:1]
+        async with EngineClient(engine_urls[1]) as engine:
+            assert await engine.get_weight_version() == during
         assert await detaching
         assert coord.members == engine_urls[:1]
         metrics = await coord.publish(next_version())

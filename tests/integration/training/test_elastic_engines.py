@@ -1,0 +1,192 @@
+"""Elastic rollout: an engine added to a running run over REST, then removed, costs nothing.
+
+One real run of the toy task with the roles as services and one engine of its own. While it
+trains, the test starts another engine (a process of its own, serving the run's model) and adds
+it (`POST /v1/rollout/engines`) during step 1: it is answered only once the engine holds the
+run's current weights and is in rotation, and rollouts send it requests. During step 3 it is
+removed (`DELETE`): it leaves the rotation, then the run; it gets no more requests or weights.
+The run completes with every episode trained once and none lost to an engine error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from omniloop.platform.control.run import run
+from omniloop.processes import free_port, stop_process
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 10
+TASKS_PER_STEP = 4
+SAMPLES = 4
+ADD_AT, REMOVE_AT = 1, 3
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def generate_requests(log: Path) -> int:
+    """`/generate` requests the engine answered (its access log)."""
+    return sum("POST /generate" in line for line in log.read_text().splitlines())
+
+
+def weight_version(url: str) -> int:
+    return int(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
+
+
+@dataclass
+class ElasticRun:
+    run_dir: Path
+    seen: dict[str, Any] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+
+
+def _step_started(run_dir: Path, step: int) -> bool:
+    written = run_dir / "trajectories" / f"step_{step}.jsonl"
+    return written.is_file() and bool(written.read_text().strip())
+
+
+def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> None:
+    """During step ADD_AT add the engine at `extra`; during step REMOVE_AT remove it."""
+    seen = elastic.seen
+    try:
+        while not _step_started(elastic.run_dir, ADD_AT):
+            time.sleep(0.05)
+        first = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()["engines"][0]["url"]
+        seen["run_version_before_add"] = weight_version(first)
+        added = httpx.post(f"{api}/v1/rollout/engines", json={"url": extra}, timeout=300)
+        seen["add"] = (added.status_code, added.json())
+        seen["version_when_added"] = weight_version(extra)
+        seen["listed_after_add"] = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()
+        while not _step_started(elastic.run_dir, REMOVE_AT):
+            time.sleep(0.05)
+        seen["requests_before_remove"] = generate_requests(log)
+        unknown = httpx.delete(
+            f"{api}/v1/rollout/engines", params={"url": "http://127.0.0.1:9"}, timeout=60
+        )
+        seen["remove_unknown"] = (unknown.status_code, unknown.json())
+        removed = httpx.delete(
+            f"{api}/v1/rollout/engines", params={"url": extra, "drain_s": 3}, timeout=300
+        )
+        seen["remove"] = (removed.status_code, removed.json())
+        seen["listed_after_remove"] = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()
+        time.sleep(10)  # a request already on its way when the rotation changed has landed
+        seen["requests_after_remove"] = generate_requests(log)
+        seen["version_after_remove"] = weight_version(extra)
+    except Exception as err:  # reported by the tests, not lost in this thread
+        elastic.errors.append(repr(err))
+
+
+@pytest.fixture(scope="module")
+def elastic_run(toy_config: Any, toy_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    run_dir = tmp_path_factory.mktemp("elastic")
+    port = free_port()
+    config = toy_config(
+        run_dir,
+        {
+            "steps": STEPS,
+            "tasks_per_step": TASKS_PER_STEP,
+            "rollout.samples_per_task": SAMPLES,
+            "max_staleness": 1,
+            "services.mode": "services",
+            "services.api_port": port,
+        },
+    )
+    log = run_dir / "extra-engine.log"
+    engine_port = free_port()
+    extra = f"http://127.0.0.1:{engine_port}"
+    cmd = [
+        sys.executable, "-m", "omniloop", "engine", "serve", "--model", str(toy_model),
+        "--port", str(engine_port), "--threads", "1", "--log-level", "info",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    elastic = ElasticRun(run_dir)
+    try:
+        watcher = threading.Thread(
+            target=_add_then_remove, args=(elastic, f"http://127.0.0.1:{port}", extra, log)
+        )
+        watcher.start()
+        try:
+            asyncio.run(run(config))
+        finally:
+            watcher.join(timeout=120)
+        elastic.seen["requests_at_end"] = generate_requests(log)
+        elastic.seen["version_at_end"] = weight_version(extra)
+        yield elastic, extra
+    finally:
+        stop_process(proc)
+
+
+def test_the_added_engine_held_the_current_weights_and_was_in_rotation_when_answered(
+    elastic_run: Any,
+) -> None:
+    elastic, extra = elastic_run
+    assert not elastic.errors, elastic.seen
+    seen = elastic.seen
+    status, body = seen["add"]
+    assert status == 201, body
+    assert body == {"url": extra, "in_rotation": True}
+    assert seen["version_when_added"] >= seen["run_version_before_add"]
+    listed = seen["listed_after_add"]["engines"]
+    assert len(listed) == 2
+    assert all(e["in_rotation"] for e in listed)
+
+
+def test_rollouts_sent_the_added_engine_requests_until_it_was_removed(elastic_run: Any) -> None:
+    elastic, extra = elastic_run
+    seen = elastic.seen
+    assert seen["requests_before_remove"] > 0
+    assert seen["remove"] == (200, {"url": extra, "removed": True})
+    assert [e["url"] for e in seen["listed_after_remove"]["engines"]] != [extra]
+    assert len(seen["listed_after_remove"]["engines"]) == 1
+    # Gone from the run: no more requests, no more weights.
+    assert seen["requests_at_end"] == seen["requests_after_remove"]
+    assert seen["version_at_end"] == seen["version_after_remove"]
+
+
+def test_the_run_lost_no_episode_and_trained_each_once(elastic_run: Any) -> None:
+    elastic, _ = elastic_run
+    trained = read_jsonl(elastic.run_dir / "trained.jsonl")
+    ids = [traj_id for step in trained for traj_id, _ in step["samples"]]
+    assert len(ids) == len(set(ids)) == STEPS * TASKS_PER_STEP * SAMPLES
+    for path in (elastic.run_dir / "trajectories").glob("step_*.jsonl"):
+        stops = [t["meta"]["stop_reason"] for t in read_jsonl(path)]
+        assert "engine_error" not in stops, path.name
+
+
+def test_bad_requests_are_problems(elastic_run: Any) -> None:
+    elastic, _ = elastic_run
+    status, body = elastic.seen["remove_unknown"]
+    assert status == 404
+    assert body["type"] == "urn:omniloop:problem:no-such-engine"
+    assert "http://127.0.0.1:9" in body["detail"]
+
+    # Without an actor behind it (the run has ended), and with a bad body.
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from omniloop.platform.api.problems import install_problem_handlers
+    from omniloop.platform.control.engine_routes import engine_router
+
+    app = FastAPI()
+    install_problem_handlers(app)
+    app.include_router(engine_router())
+    with TestClient(app) as client:
+        bad = client.post("/v1/rollout/engines", json={"url": "not a url"})
+        assert bad.status_code == 422
+        assert "url" in bad.text
+        assert client.get("/v1/rollout/engines").status_code == 503
