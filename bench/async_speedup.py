@@ -2,7 +2,9 @@
 
 The same run is trained twice, one after the other in this process, for the same number of
 steps: with `max_staleness=0` (rollout and training alternate) and `max_staleness=2`
-(rollouts of the next steps run while the trainer works). The workload is the toy tool task
+(rollouts of the next steps run while the trainer works); then a third time asynchronously
+with weight updates drained instead of landing in place (`sync.update_mode=drain`: each update
+first waits for the running requests), unless `--no-drain`. The workload is the toy tool task
 (`examples/toy_tool`, tiny model warm-started on the call format) with one change that makes
 it long-tailed, as agentic rollouts are: before the call runs, the episode's sandbox is busy for
 a heavy-tailed time (Pareto, shape 1.2, scale 0.15 s, capped at 5 s), drawn from the episode
@@ -22,6 +24,8 @@ Prints ONE JSON line:
 - `final_reward_sync`, `final_reward_async`: mean reward of each run's last five steps
   (`FINAL_STEPS`); `final_reward_noise`: twice the binomial standard error of their difference
   (rewards are 0 or 1), and `final_rewards_within_noise` whether they differ by less;
+- `speedup_drain`, `in_place_vs_drain` (the drained async run's wall time / the in-place
+  one's), `sync_seconds` (mean publish time per step in each mode);
 - stage times, per-run wall times and CPU seconds, the load average, thread settings.
 
     .venv/bin/python bench/async_speedup.py [--quick] [--steps N] [--mode services|in_process]
@@ -101,7 +105,12 @@ def _cpu_seconds() -> float:
 
 
 def train_once(
-    model: Path, run_dir: Path, max_staleness: int, steps: int, mode: str = "services"
+    model: Path,
+    run_dir: Path,
+    max_staleness: int,
+    steps: int,
+    mode: str = "services",
+    update_mode: str = "in_place",
 ) -> dict[str, Any]:
     """Train `steps` steps; return wall/CPU seconds and the per-step metrics."""
     bench = Path(__file__).resolve()
@@ -118,6 +127,7 @@ def train_once(
             "rollout.concurrency=96",
             "rollout.sandbox.pool_size=32",
             f"services.mode={mode}",
+            f"sync.update_mode={update_mode}",
         ],
     )
     cpu = _cpu_seconds()
@@ -145,6 +155,12 @@ def main() -> None:
         default="services",
         help="the roles as Ray Serve deployments (the default of omniloop run) or in process",
     )
+    parser.add_argument(
+        "--no-drain",
+        dest="drain",
+        action="store_false",
+        help="skip the third run (max_staleness=2 with drained weight updates)",
+    )
     args = parser.parse_args()
     steps = args.steps or (8 if args.quick else 30)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -160,6 +176,9 @@ def main() -> None:
         warm_s = time.perf_counter() - started
         sync = train_once(model, root / "sync", 0, steps, args.mode)
         async_ = train_once(model, root / "async", 2, steps, args.mode)
+        drained = (
+            train_once(model, root / "drain", 2, steps, args.mode, "drain") if args.drain else None
+        )
 
     sm = sync["metrics"]
     rollout = mean([m["perf/rollout_seconds"] for m in sm])
@@ -192,6 +211,19 @@ def main() -> None:
         "sync_cpu_s": round(sync["cpu_s"], 1),
         "async_cpu_s": round(async_["cpu_s"], 1),
         "async_staleness_max": max(m["staleness/max"] for m in async_["metrics"]),
+        **(
+            {
+                "speedup_drain": round(sync["wall_s"] / drained["wall_s"], 3),
+                "async_wall_s_drain": round(drained["wall_s"], 2),
+                "in_place_vs_drain": round(drained["wall_s"] / async_["wall_s"], 3),
+                "sync_seconds": {
+                    "in_place": round(mean([m["perf/sync_seconds"] for m in async_["metrics"]]), 3),
+                    "drain": round(mean([m["perf/sync_seconds"] for m in drained["metrics"]]), 3),
+                },
+            }
+            if drained is not None
+            else {}
+        ),
         "startup_s": round(sync["startup_s"] + async_["startup_s"], 1),
         "warm_start_s": round(warm_s, 1),
         "episodes_per_step": sm[0]["episodes/count"],

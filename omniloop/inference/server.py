@@ -40,13 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from omniloop.errors import ConfigError, EngineError
-from omniloop.inference.core import (
-    FLATTENED_BUCKET,
-    EngineCore,
-    GenerationRequest,
-    GenerationResult,
-    in_daemon_thread,
-)
+from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
 from omniloop.inference.protocol import (
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
@@ -69,6 +63,7 @@ from omniloop.inference.protocol import (
     parse_weight_version,
 )
 from omniloop.inference.weight_fetch import WeightFetcher
+from omniloop.inference.weight_groups import FLATTENED_BUCKET, in_daemon_thread
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ import torch
 import xxhash
 
 from omniloop.errors import ConfigError, EngineError
-from omniloop.inference.core import EngineCore, WeightUpdateResult, parse_dtype, tensor_views
+from omniloop.inference.core import EngineCore, WeightUpdateResult
 from omniloop.inference.protocol import BUCKET_CHECKSUM_HEADER, BucketEntry, WeightManifest
+from omniloop.inference.weight_groups import parse_dtype, tensor_views
 
 RETRY_PAUSE_S = 0.2
 """Pause before the first retry of a bucket; doubled for each further one."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from omniloop.errors import ConfigError
-from omniloop.inference.core import EngineCore, GenerationRequest, sample
+from omniloop.inference.core import EngineCore, GenerationRequest
 from omniloop.inference.llama import (
     KVCache,
     LlamaConfig,
@@ -27,6 +27,7 @@ from omniloop.inference.llama import (
     onednn_linear_available,
 )
 from omniloop.inference.models import resolve_model
+from omniloop.inference.sampling import sample
 
 BACKENDS = [False, pytest.param(True, id="onednn")]
 

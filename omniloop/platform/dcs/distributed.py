@@ -18,7 +18,7 @@ from torch import Tensor
 
 from omniloop.errors import ConfigError
 from omniloop.inference.client import EngineClient
-from omniloop.inference.core import (
+from omniloop.inference.weight_groups import (
     dtype_name,
     in_daemon_thread,
     new_weight_update_group,

@@ -40,13 +40,13 @@ import xxhash
 from torch import Tensor
 
 from omniloop.inference.client import EngineClient
-from omniloop.inference.core import dtype_name
 from omniloop.inference.protocol import (
     BUCKET_CHECKSUM_HEADER,
     BucketEntry,
     TensorEntry,
     WeightManifest,
 )
+from omniloop.inference.weight_groups import dtype_name
 from omniloop.platform.dcs.base import (
     all_or_fail,
     engines_paused,

@@ -9,14 +9,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from omniloop.inference.core import (
-    EngineCore,
-    GenerationRequest,
-    GenerationResult,
-    dtype_name,
-    parse_dtype,
-)
+from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
 from omniloop.inference.models import resolve_model
+from omniloop.inference.weight_groups import dtype_name, parse_dtype
 from omniloop.platform.dcs import plan_buckets
 
 PROMPT = [1, 4093, 314, 260, 3575]
