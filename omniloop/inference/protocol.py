@@ -32,9 +32,9 @@ Where this engine differs, it says so instead of guessing:
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENGINE_NAME = "omniloop's CPU engine"
 
@@ -98,6 +98,16 @@ def _strip_neutral(data: Any, neutral: dict[str, Any], where: str) -> Any:
     if bad:
         raise ValueError(f"{where} not implemented by {ENGINE_NAME}: {'; '.join(bad)}")
     return data
+
+
+def _integer_version(v: str | int | None) -> str | int | None:
+    if v is not None and parse_weight_version(v) is None:
+        raise ValueError(f"weight_version must be an integer (as a number or a string), got {v!r}")
+    return v
+
+
+RequestedVersion = Annotated[str | int | None, AfterValidator(_integer_version)]
+"""A request's `weight_version`: SGLang sends a string; it must read as an integer."""
 
 
 class _Wire(BaseModel):
@@ -285,7 +295,7 @@ class UpdateWeightFromDiskReqInput(_Wire):
     load_format: Literal["auto", "safetensors"] | None = None
     abort_all_requests: bool = False
     """Abort running and waiting requests instead of letting running ones finish first."""
-    weight_version: str | int | None = None
+    weight_version: RequestedVersion = None
     """Integer version to set; omitted: the current version plus one."""
     keep_pause: bool = False
     """Stay paused after the update (until `/continue_generation`)."""
@@ -299,15 +309,6 @@ class UpdateWeightFromDiskReqInput(_Wire):
     token_step: Literal[0] = 0
     manifest: None = None
     rid: str | None = None
-
-    @field_validator("weight_version")
-    @classmethod
-    def _version(cls, v: str | int | None) -> str | int | None:
-        if v is not None and parse_weight_version(v) is None:
-            raise ValueError(
-                f"weight_version must be an integer (as a number or a string), got {v!r}"
-            )
-        return v
 
 
 class UpdateWeightFromDiskReqOutput(BaseModel):
@@ -363,22 +364,13 @@ class UpdateWeightsFromDistributedReqInput(_Wire):
     """No prefix cache here: any value is accepted."""
     abort_all_requests: bool = False
     """Abort running and waiting requests instead of letting running ones finish first."""
-    weight_version: str | int | None = None
+    weight_version: RequestedVersion = None
     """Set on the last bucket: the integer version the engine reports afterwards. Omitted:
     more buckets follow and no request is admitted until the last one lands."""
     load_format: Literal["flattened_bucket"] | None = None
     torch_empty_cache: bool = False
     """GPU memory hint; no effect on CPU."""
     rid: str | None = None
-
-    @field_validator("weight_version")
-    @classmethod
-    def _version(cls, v: str | int | None) -> str | int | None:
-        if v is not None and parse_weight_version(v) is None:
-            raise ValueError(
-                f"weight_version must be an integer (as a number or a string), got {v!r}"
-            )
-        return v
 
     @model_validator(mode="after")
     def _lengths(self) -> UpdateWeightsFromDistributedReqInput:
@@ -442,7 +434,7 @@ class UpdateWeightsFromTcpReqInput(_Wire):
     """The version's base URL on the bucket server (`.../manifest`, `.../buckets/{i}`)."""
     token: str | None = None
     """Bearer token the bucket server wants (sent as `Authorization`, never in a URL)."""
-    weight_version: str | int | None = None
+    weight_version: RequestedVersion = None
     """Integer version to set; omitted: the manifest's version."""
     retries: int = Field(default=3, ge=0)
     """Per bucket: fetches again after a broken connection (resuming from the byte reached)
@@ -452,15 +444,6 @@ class UpdateWeightsFromTcpReqInput(_Wire):
     abort_all_requests: bool = False
     """Abort running and waiting requests instead of letting running ones finish first."""
     rid: str | None = None
-
-    @field_validator("weight_version")
-    @classmethod
-    def _version(cls, v: str | int | None) -> str | int | None:
-        if v is not None and parse_weight_version(v) is None:
-            raise ValueError(
-                f"weight_version must be an integer (as a number or a string), got {v!r}"
-            )
-        return v
 
 
 class UpdateWeightsFromTcpReqOutput(BaseModel):
