@@ -54,8 +54,11 @@ class RemovedEngine(BaseModel):
 
 
 def _actor() -> Any:
+    import ray
     from ray import serve
 
+    if not ray.is_initialized():  # not inside a run (a Serve replica is always in Ray)
+        raise ApiProblem(503, "no-actor", "no run's actor role is reachable from this server")
     try:
         return serve.get_app_handle("actor")
     except Exception as err:  # the actor role is not deployed (yet)

@@ -24,6 +24,7 @@ from starlette.routing import Mount, Route
 import omniloop.web
 from omniloop.platform.api import ApiSettings, create_app
 from omniloop.platform.api.settings import is_loopback
+from omniloop.platform.control.engine_routes import engine_router
 
 TOKEN = "s3cret-token-for-tests-0123456789"
 
@@ -173,7 +174,9 @@ def _calls(app: FastAPI) -> list[tuple[str, str, str]]:
 
 def _beyond_loopback(make_settings, **overrides) -> tuple[ApiSettings, FastAPI]:
     settings = make_settings(host="0.0.0.0", api_token=TOKEN, **overrides)
-    return settings, create_app(settings, extra_routes=omniloop.web.routes())
+    # As a run's api role builds it: with the run's engines beside the API.
+    routes = [engine_router(), *omniloop.web.routes()]
+    return settings, create_app(settings, extra_routes=routes)
 
 
 @pytest.mark.parametrize("metrics_need_token", [True, False])
@@ -185,7 +188,7 @@ async def test_beyond_loopback_every_route_but_the_open_ones_needs_the_token(
     templates = {template for _, _, template in calls}
     # The table really holds the API, the dashboard's endpoint and its pages.
     assert {"/v1/runs", "/v1/episodes/{episode_id}/events", "/v1/tokens/{episode_id}"} <= templates
-    assert {"/", "/metrics", "/healthz"} <= templates
+    assert {"/", "/metrics", "/healthz", "/v1/rollout/engines"} <= templates
     right = {"Authorization": f"Bearer {TOKEN}"}
     wrong = {"Authorization": "Bearer not-the-token-0123456789"}
     async with open_api(settings, app) as api:
