@@ -3,9 +3,10 @@
 One real run of the toy task with the roles as services and one engine of its own. While it
 trains, the test starts another engine (a process of its own, serving the run's model) and adds
 it (`POST /v1/rollout/engines`) during step 1: it is answered only once the engine holds the
-run's current weights and is in rotation, and rollouts send it requests. During step 3 it is
-removed (`DELETE`): it leaves the rotation, then the run; it gets no more requests or weights.
-The run completes with every episode trained once and none lost to an engine error.
+run's current weights and is in rotation, and rollouts send it requests. Once it has served
+some (and not before step 3) it is removed (`DELETE`): it leaves the rotation, then the run;
+it gets no more requests or weights. The run completes with every episode trained once and
+none lost to an engine error.
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> No
         seen["add"] = (added.status_code, added.json())
         seen["version_when_added"] = weight_version(extra)
         seen["listed_after_add"] = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()
+        # Removed once it has served (rollouts read the rotation every 2 s, later on a loaded
+        # machine), and not before step REMOVE_AT.
+        deadline = time.monotonic() + 300
+        while not generate_requests(log) and time.monotonic() < deadline:
+            time.sleep(0.1)
         while not _step_started(elastic.run_dir, REMOVE_AT):
             time.sleep(0.05)
         seen["requests_before_remove"] = generate_requests(log)
@@ -83,7 +89,7 @@ def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> No
         )
         seen["remove"] = (removed.status_code, removed.json())
         seen["listed_after_remove"] = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()
-        time.sleep(10)  # a request already on its way when the rotation changed has landed
+        time.sleep(15)  # a request already on its way when the rotation changed has landed
         seen["requests_after_remove"] = generate_requests(log)
         seen["version_after_remove"] = weight_version(extra)
     except Exception as err:  # reported by the tests, not lost in this thread
