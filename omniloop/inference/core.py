@@ -49,6 +49,7 @@ in one forward), preemption, multiple samples per request (`n`), penalties, gram
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
@@ -275,6 +276,12 @@ class EngineCore:
         """Forward passes completed so far (a liveness signal for health checks)."""
         self.cached_tokens = 0
         """Prompt tokens served from the prefix cache so far."""
+        self.finished: collections.Counter[str] = collections.Counter()
+        """Requests answered so far, by finish type (`stop`, `length`, `abort`)."""
+        self.prompt_tokens = 0
+        """Prompt tokens of the requests answered so far."""
+        self.generated_tokens = 0
+        """Tokens sampled for the requests answered so far."""
         self.weight_groups = WeightGroups(self.update_weights)
         """A trainer's broadcast groups (`init_weights_update_group`,
         `update_weights_from_distributed`, `destroy_weights_update_group`)."""
@@ -293,6 +300,16 @@ class EngineCore:
     @property
     def paused(self) -> bool:
         return self._paused
+
+    @property
+    def running(self) -> int:
+        """Requests being generated now."""
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self._waiting)
 
     @property
     def updating(self) -> bool:
@@ -751,6 +768,9 @@ class EngineCore:
         assert seq.finish is not None
         kind, matched, message = seq.finish
         req = seq.req
+        self.finished[kind] += 1
+        self.prompt_tokens += len(req.input_ids)
+        self.generated_tokens += len(seq.output_ids)
         text = self.decode_text(seq.output_ids, skip_special_tokens=req.skip_special_tokens)
         if kind == "stop" and isinstance(matched, str) and not req.no_stop_trim:
             cut = text.find(matched)

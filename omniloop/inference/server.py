@@ -20,6 +20,8 @@ Endpoints (methods as SGLang's `http_server.py`):
   engine side of the DCS `tcp` backend. `{success, message, weight_version, bytes, seconds,
   resumed, refetched}`, 200 or 400.
 - `POST /pause_generation`, `POST /continue_generation`.
+- `GET /metrics`: Prometheus text (`omniloop.inference.engine_metrics`): requests and tokens
+  served, prefix-cache hits, running and waiting requests, the weight version.
 
 Validation errors are answered with 400 and SGLang's `ErrorResponse` body, the message naming
 each bad field; a request the engine cannot serve (prompt too long, token id out of range)
@@ -38,9 +40,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omniloop.errors import ConfigError, EngineError
 from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
+from omniloop.inference.engine_metrics import engine_registry
 from omniloop.inference.protocol import (
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
@@ -173,6 +177,12 @@ def create_app(core: EngineCore) -> FastAPI:
                 f.cancel()
         out = [_to_response(r, body.item_return_logprob(i)) for i, r in enumerate(results)]
         return out if body.is_batch else out[0]
+
+    registry = engine_registry(core)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

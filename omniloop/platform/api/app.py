@@ -36,7 +36,7 @@ from omniloop.platform.api.auth import AccessPolicy, TokenGuardMiddleware
 from omniloop.platform.api.batching import EpisodeCreator
 from omniloop.platform.api.events import EpisodeSignals
 from omniloop.platform.api.limits import BodyLimitMiddleware
-from omniloop.platform.api.metrics import ApiMetrics, RequestMetricsMiddleware
+from omniloop.platform.api.metrics import ApiMetrics, RequestMetricsMiddleware, ScrapedCollector
 from omniloop.platform.api.problems import Problem, install_problem_handlers, problem_responses
 from omniloop.platform.api.routes import ApiState, ops_router, v1_router
 from omniloop.platform.api.settings import ApiLimits, ApiSettings
@@ -62,11 +62,13 @@ def create_app(
     *,
     store: Store | None = None,
     extra_routes: Sequence[APIRouter | BaseRoute] = (),
+    scraped: Sequence[ScrapedCollector] = (),
 ) -> FastAPI:
     """The API server for `settings`.
 
     `store`: use this store (the caller closes it) instead of opening `settings.db_url`.
     `extra_routes`: routers and mounts served beside the API (see the module docstring).
+    `scraped`: more series for `/metrics`, each refreshed before a scrape (`metrics.py`).
     Agents are imported here, so a bad agent or reward path raises `ConfigError` before the
     server starts.
     """
@@ -78,7 +80,7 @@ def create_app(
         store=AsyncStore(sync_store),
         agents=agents,
         signals=EpisodeSignals(),
-        metrics=ApiMetrics(),
+        metrics=ApiMetrics(scraped),
         head_revision=Store.head_revision(),
         creator=EpisodeCreator(sync_store, max_queued=settings.max_queued_episodes),
     )

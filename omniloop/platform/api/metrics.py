@@ -8,13 +8,17 @@ Run faults (`omniloop_run_faults_total`, `omniloop_run_fault_recovery_seconds`, 
 run and role) are read from the store at scrape time, for a bounded set of runs: those
 running (at most `MAX_RUNNING_FAULT_RUNS`) and the `metrics_recent_runs` newest. A run that
 leaves that set leaves the scrape with its series.
+
+A server may export more series read at scrape time (a run's api role: its engines' weight
+updates): `create_app(..., scraped=[...])` registers each `ScrapedCollector` and refreshes it
+before every scrape.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -34,6 +38,15 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 MAX_RUNNING_FAULT_RUNS = 200
 """Most running runs (the newest) whose faults a scrape exports, beside the recent ones."""
 FAULT_LABELS = ["run_id", "role"]
+
+
+class ScrapedCollector(Collector, Protocol):
+    """A collector of series read from elsewhere when Prometheus scrapes."""
+
+    async def refresh(self) -> None:
+        """Read what the next `collect` reports; never raises (a source that cannot be read
+        leaves its series out of the scrape)."""
+        ...
 
 
 class RunFaultsCollector(Collector):
@@ -89,8 +102,10 @@ class RunFaultsCollector(Collector):
 class ApiMetrics:
     """Every metric the server exports."""
 
-    def __init__(self) -> None:
+    def __init__(self, scraped: Sequence[ScrapedCollector] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.scraped = list(scraped)
+        """Collectors refreshed before each scrape (module docstring)."""
         self.requests = Counter(
             "omniloop_api_requests",
             "HTTP requests answered, by method, route template and status.",
@@ -137,6 +152,8 @@ class ApiMetrics:
             self.episodes.labels(status)
         self.run_faults = RunFaultsCollector()
         self.registry.register(self.run_faults)
+        for collector in self.scraped:
+            self.registry.register(collector)
 
 
 class RequestMetricsMiddleware:

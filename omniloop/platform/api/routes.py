@@ -668,6 +668,8 @@ def ops_router() -> APIRouter:
         for status, count in counts.items():
             state.metrics.episodes.labels(status).set(count)
         await state.metrics.run_faults.refresh(state.store, state.settings.metrics_recent_runs)
+        for collector in state.metrics.scraped:
+            await collector.refresh()
         # No await from here on: the scrape renders the rows it just read (see metrics.py).
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

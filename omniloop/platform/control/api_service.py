@@ -1,11 +1,12 @@
 """The api role: the REST API and the dashboard of a run, as a Ray Serve deployment.
 
 Each `ApiServer` replica is the app `omniloop serve` builds (`/v1`, `/metrics`, the dashboard)
-over the run's store, with the run's engines at `/v1/rollout/engines` (`engine_routes`),
+over the run's store, with the run's engines at `/v1/rollout/engines` and in `/metrics`
+(`engine_routes`),
 behind Ray Serve's HTTP proxy on `services.api_host:services.api_port`. It runs no episodes of
 its own (`concurrency: 0`; submitted episodes stay queued for an `omniloop serve` that shares
-the store) and leaves the store's queue alone at start-up. Apart from adding and removing
-engines it only reads: a replica that dies costs nothing but the requests it was answering,
+the store) and leaves the store's queue alone at start-up. Apart from adding, launching and
+removing engines it only reads: a replica that dies costs nothing but the requests it was answering,
 which the proxy answers 503 until Serve has replaced it.
 """
 
@@ -19,7 +20,7 @@ from omniloop.platform.control.run_config import RunConfig
 class ApiServer:
     """An api replica (wrapped by `serve.ingress()` when deployed)."""
 
-    def __init__(self, config: RunConfig, token: str | None) -> None:
+    def __init__(self, config: RunConfig, token: str | None, cwd: str, paths: list[str]) -> None:
         from sqlalchemy import create_engine
 
         from omniloop.platform.api.settings import ApiSettings
@@ -36,13 +37,20 @@ class ApiServer:
         # `run` resolves the database before it deploys a role.
         assert config.database is not None
         self._ping = create_engine(config.database, pool_size=1, max_overflow=0)
+        self._config, self._cwd, self._paths = config, cwd, paths
 
     def __serve_build_asgi_app__(self) -> Any:
         from omniloop.platform.api.app import create_app
         from omniloop.platform.api.cli import web_routes
-        from omniloop.platform.control.engine_routes import engine_router
+        from omniloop.platform.control.engine_routes import RunEnginesCollector, engine_router
+        from omniloop.platform.control.services import ServeEngineLauncher
 
-        return create_app(self._settings, extra_routes=[engine_router(), *web_routes()])
+        launcher = ServeEngineLauncher(self._config, self._cwd, self._paths)
+        return create_app(
+            self._settings,
+            extra_routes=[engine_router(launcher), *web_routes()],
+            scraped=[RunEnginesCollector()],
+        )
 
     async def check_health(self) -> None:
         # What the replica needs beyond its process: the store answers.

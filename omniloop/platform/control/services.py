@@ -23,6 +23,10 @@ reached by the controller only through a `DeploymentHandle` behind the protocols
 - `api` (`api_service.ApiServer`, with `services.api`): the REST API and dashboard over the
   run's store, behind Serve's HTTP proxy (deployed first: it needs none of the others).
 
+Engines launched on request while the run trains (`POST /v1/rollout/engines` `{"launch":
+true}`, `ServeEngineLauncher`) are one more Serve application each, `engine+N`, of one
+`EngineServer` replica: Serve restarts it like the run's own, and `DELETE` undeploys it.
+
 What a dead replica costs: Serve replaces it (health checks: `check_health` tests what the
 role needs, every `services.health_check_period_s`); an episode it was running (or whose
 sandbox replica died) is re-run as `attempt + 1` under the same trajectory id, a step's
@@ -56,6 +60,7 @@ from ray.exceptions import (
     ActorUnschedulableError,
     RayActorError,
 )
+from ray.serve import Application
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -418,22 +423,9 @@ async def service_roles(
 
     settings = config.services
     per_replica = max(1, math.ceil(config.rollout.concurrency / settings.rollout_replicas))
-    common: dict[str, Any] = {
-        "max_queued_requests": settings.max_queued_requests,
-        "health_check_period_s": settings.health_check_period_s,
-        "health_check_timeout_s": settings.health_check_timeout_s,
-    }
 
     def placed(role: str) -> dict[str, Any]:
-        where = settings.placement.get(role)  # type: ignore[call-overload]
-        # No CPU reserved: the roles share the machine's cores with the engine.
-        options: dict[str, Any] = {"num_cpus": 0}
-        if where is not None and where.resources:
-            options["resources"] = dict(where.resources)
-        out = {**common, "ray_actor_options": options}
-        if where is not None and where.max_replicas_per_node is not None:
-            out["max_replicas_per_node"] = where.max_replicas_per_node
-        return out
+        return role_options(config, role)
 
     cwd, paths = os.getcwd(), [p for p in sys.path if p]
     rollout_app = serve.deployment(
@@ -477,14 +469,12 @@ async def service_roles(
         name="actor", num_replicas=1, max_ongoing_requests=8, **placed("actor")
     )(ActorServer).bind(config, cwd, paths)
     engines = 1 if config.rollout.engine.url else settings.engine_replicas
-    engine_app = serve.deployment(
-        name="engine", num_replicas=engines, max_ongoing_requests=1024, **placed("engine")
-    )(EngineServer).bind(config, str(Path(config.run_dir).resolve()), cwd, paths)
+    engine_app = engine_deployment(config, cwd, paths, replicas=engines)
 
     api_port = settings.api_port or free_port()
     api_app = serve.deployment(
         name="api", num_replicas=1, max_ongoing_requests=256, **placed("api")
-    )(serve.ingress()(ApiServer)).bind(config, os.environ.get("OMNILOOP_API_TOKEN"))
+    )(serve.ingress()(ApiServer)).bind(config, os.environ.get("OMNILOOP_API_TOKEN"), cwd, paths)
 
     def deploy() -> tuple[DeploymentHandle, ...]:
         # The driver's Serve logger says "Application ... is ready" and the like at INFO.
@@ -571,6 +561,97 @@ async def service_roles(
         )
     finally:
         await asyncio.to_thread(_undeploy)
+
+
+def role_options(config: RunConfig, role: str) -> dict[str, Any]:
+    """The deployment options of `role`'s replicas: queue bound, health checks, placement."""
+    settings = config.services
+    where = settings.placement.get(role)  # type: ignore[call-overload]
+    # No CPU reserved: the roles share the machine's cores with the engine.
+    options: dict[str, Any] = {"num_cpus": 0}
+    if where is not None and where.resources:
+        options["resources"] = dict(where.resources)
+    out: dict[str, Any] = {
+        "max_queued_requests": settings.max_queued_requests,
+        "health_check_period_s": settings.health_check_period_s,
+        "health_check_timeout_s": settings.health_check_timeout_s,
+        "ray_actor_options": options,
+    }
+    if where is not None and where.max_replicas_per_node is not None:
+        out["max_replicas_per_node"] = where.max_replicas_per_node
+    return out
+
+
+def engine_deployment(
+    config: RunConfig, cwd: str, paths: list[str], *, replicas: int = 1
+) -> Application:
+    """`replicas` engine replicas (`EngineServer`), each launching or adopting one engine."""
+    return serve.deployment(
+        name="engine",
+        num_replicas=replicas,
+        max_ongoing_requests=1024,
+        **role_options(config, "engine"),
+    )(EngineServer).bind(config, str(Path(config.run_dir).resolve()), cwd, paths)
+
+
+LAUNCHED = "engine+"
+"""Prefix of the Serve applications of engines launched on request (`engine+1`, ...)."""
+
+
+class ServeEngineLauncher:
+    """Launches engines for a running run, each as a Serve application of its own (`engine+N`,
+    one `EngineServer` replica on the engine role's placement), and undeploys them.
+
+    Used from the run's api role. The replica attaches its engine to the actor before it
+    is up, so a launched engine is in rotation, with the current weights, once `launch`
+    returns. What it launched is read back from Serve each time (no state of its own), so an
+    api replica that restarted still finds the engines launched before. The health monitor
+    does not follow these applications; Serve still restarts a replica that fails."""
+
+    def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:
+        if config.rollout.engine.url:
+            self._unusable: str | None = (
+                "the run adopts the engine at rollout.engine.url; it launches none"
+            )
+        else:
+            self._unusable = None
+        self._config, self._cwd, self._paths = config, cwd, paths
+
+    async def launch(self) -> str:
+        """Start one more engine; its URL once it serves the current weights. Raises
+        `EngineError` when it cannot (its application is removed again)."""
+        from omniloop.errors import EngineError
+
+        if self._unusable is not None:
+            raise EngineError(self._unusable)
+        taken = {int(n[len(LAUNCHED) :]) for n in self._launched() if n[len(LAUNCHED) :].isdigit()}
+        name = f"{LAUNCHED}{max(taken, default=0) + 1}"
+        app = engine_deployment(self._config, self._cwd, self._paths)
+        try:
+            handle = await asyncio.to_thread(
+                serve.run, app, name=name, route_prefix=None, logging_config=SERVE_LOGGING
+            )
+            url: str = await handle.url.remote()
+        except Exception as err:
+            await asyncio.to_thread(serve.delete, name)
+            raise EngineError(f"launching an engine ({name}) failed: {err}") from err
+        return url
+
+    async def stop(self, url: str) -> bool:
+        """Undeploy the launched engine at `url`; False if none of them is at `url`."""
+        for name in self._launched():
+            try:
+                served: str = await serve.get_app_handle(name).url.remote()
+            except Exception:  # not (yet, or no longer) up: not the one asked for
+                continue
+            if served == url:
+                await asyncio.to_thread(serve.delete, name)
+                return True
+        return False
+
+    @staticmethod
+    def _launched() -> list[str]:
+        return [n for n in serve.status().applications if n.startswith(LAUNCHED)]
 
 
 def _undeploy() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -33,6 +34,31 @@ class WeightSource(Protocol):
     def named_weights(self) -> Iterable[tuple[str, Tensor]]:
         """The weights under their Hugging Face names, each tied tensor once."""
         ...
+
+
+@dataclasses.dataclass
+class EngineUpdates:
+    """What the weight updates of one member engine amounted to, since it became a member."""
+
+    weight_version: int
+    """The version of the weights it serves (known from its last update, or from what it
+    reported when it joined)."""
+    updates: int = 0
+    """Weight updates it received."""
+    bytes: int = 0
+    """Bytes of weights those updates delivered to it."""
+    update_seconds: float = 0.0
+    """Seconds of the publishes that updated it, summed (a broadcast updates every member in
+    the same seconds)."""
+    last_update_seconds: float | None = None
+    """Seconds of its newest update."""
+
+    def updated(self, version: int, nbytes: float, seconds: float) -> None:
+        self.weight_version = version
+        self.updates += 1
+        self.bytes += int(nbytes)
+        self.update_seconds += seconds
+        self.last_update_seconds = seconds
 
 
 SyncFactory = Callable[[list[str]], WeightSync]
@@ -76,6 +102,7 @@ class WeightCoordinator:
         self._sync: WeightSync | None = make_sync(self._urls) if self._urls else None
         self._removed: set[str] = set()
         """Engines detached by hand: their replicas' re-registration does not bring them back."""
+        self._updates = {u: EngineUpdates(source.version) for u in self._urls}
         self.dropped = 0
         """Members dropped because they failed an update while answering."""
         self.lock = asyncio.Lock()
@@ -96,8 +123,12 @@ class WeightCoordinator:
         return url in self._urls or url in self._removed
 
     def table(self) -> list[dict[str, object]]:
-        """Each member: `url`, and `in_rotation` (it serves the current weights)."""
-        return [{"url": u, "in_rotation": u in self._ready} for u in self._urls]
+        """Each member: `url`, `in_rotation` (it serves the current weights), and its
+        `EngineUpdates` fields."""
+        return [
+            {"url": u, "in_rotation": u in self._ready, **dataclasses.asdict(self._updates[u])}
+            for u in self._urls
+        ]
 
     async def publish(self, version: int) -> dict[str, float]:
         """Return once every member serves the actor's weights as `version`."""
@@ -127,7 +158,12 @@ class WeightCoordinator:
             # No engine is attached (the last one died): whichever attaches next gets the
             # current weights as it attaches.
             return {}
-        return await self._sync.publish(self._source.named_weights(), version)
+        started = time.perf_counter()
+        metrics = await self._sync.publish(self._source.named_weights(), version)
+        seconds = time.perf_counter() - started
+        for url in self._urls:
+            self._updates[url].updated(version, metrics.get("weight_sync/bytes", 0.0), seconds)
+        return metrics
 
     async def _send_or_isolate(self, version: int) -> dict[str, float]:
         try:
@@ -142,7 +178,11 @@ class WeightCoordinator:
         for url in self._urls:
             sync = self._make_sync([url])
             try:
-                await sync.publish(self._source.named_weights(), version)
+                started = time.perf_counter()
+                metrics = await sync.publish(self._source.named_weights(), version)
+                self._updates[url].updated(
+                    version, metrics.get("weight_sync/bytes", 0.0), time.perf_counter() - started
+                )
                 good.append(url)
             except WeightSyncError as err:
                 failures[url] = err
@@ -159,7 +199,9 @@ class WeightCoordinator:
         await self._set_members(good)
         return {}
 
-    async def _set_members(self, urls: list[str]) -> None:
+    async def _set_members(self, urls: list[str], served_version: int = 0) -> None:
+        """Make `urls` the members; one new among them serves `served_version`."""
+        self._updates = {u: self._updates.get(u) or EngineUpdates(served_version) for u in urls}
         self._urls = urls
         self._ready &= set(urls)
         if self._sync is not None:
@@ -187,7 +229,8 @@ class WeightCoordinator:
         async with self.lock:
             alive = [u for u in self._urls if u != url and await _answers(u)]
             self._ready.discard(url)
-            await self._set_members([*alive, url])
+            self._updates.pop(url, None)  # a restarted engine starts its count again
+            await self._set_members([*alive, url], served_version)
             if self._source.version != served_version:
                 await self._publish(self._source.version)
             self._ready.add(url)

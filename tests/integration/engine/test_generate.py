@@ -253,3 +253,42 @@ async def test_client_generate_batch(engine: EngineClient) -> None:
     singles = [await engine.generate(p, sampling) for p in PROMPTS[:2]]
     assert [b.output_ids for b in batch] == [s.output_ids for s in singles]
     assert all(b.prompt_tokens == len(p) for b, p in zip(batch, PROMPTS, strict=False))
+
+
+def engine_series(text: str) -> dict[str, float]:
+    """`omniloop_engine_*` samples of a `/metrics` text: name (with its finish label) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            finish = sample.labels.get("finish")
+            out[sample.name + (f"/{finish}" if finish else "")] = sample.value
+    return out
+
+
+async def test_metrics_count_requests_tokens_and_cache_hits(http: httpx.AsyncClient) -> None:
+    before = engine_series((await http.get("/metrics")).text)
+    first = await generate(http, {"input_ids": PROMPTS[2] * 8, "sampling_params": greedy(4)})
+    history = [*(PROMPTS[2] * 8), *first["output_ids"], 7, 8]
+    second = await generate(http, {"input_ids": history, "sampling_params": greedy(4)})
+    response = await http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    after = engine_series(response.text)
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    assert grew("omniloop_engine_requests_total/length") == 2
+    assert grew("omniloop_engine_requests_total/stop") == 0
+    assert grew("omniloop_engine_prompt_tokens_total") == len(PROMPTS[2]) * 8 + len(history)
+    assert grew("omniloop_engine_generation_tokens_total") == 8
+    assert second["meta_info"]["cached_tokens"] > 0
+    assert grew("omniloop_engine_cached_tokens_total") == second["meta_info"]["cached_tokens"]
+    assert grew("omniloop_engine_forward_passes_total") >= 8
+    assert after["omniloop_engine_running_requests"] == 0
+    assert after["omniloop_engine_waiting_requests"] == 0
+    version = (await http.get("/get_weight_version")).json()["weight_version"]
+    assert after["omniloop_engine_weight_version"] == int(version)
+    assert after["omniloop_engine_paused"] == 0

@@ -79,6 +79,15 @@ async def test_an_engine_that_joins_gets_the_current_weights_before_it_enters_th
             assert coord.engine_urls == engine_urls
             assert await joining.get_weight_version() == trainer.version
             assert (await joining.generate(PROMPT, GREEDY)).output_ids == expected
+        # Per engine: the member got the publish and the joiner's update; the joiner one.
+        nbytes = sum(t.numel() * t.element_size() for _, t in trainer.named_weights())
+        rows = {row["url"]: row for row in coord.table()}
+        assert [rows[u]["updates"] for u in engine_urls] == [2, 1]
+        assert [rows[u]["bytes"] for u in engine_urls] == [2 * nbytes, nbytes]
+        for row in rows.values():
+            assert row["in_rotation"] is True
+            assert row["weight_version"] == trainer.version
+            assert 0 < row["last_update_seconds"] <= row["update_seconds"]  # type: ignore[operator]
     finally:
         await coord.close()
 
@@ -102,6 +111,9 @@ async def test_a_member_that_fails_an_update_leaves_the_rotation_and_the_rest_ge
         assert coord.members == engine_urls
         assert metrics["weight_sync/engines"] == 2
         assert metrics["weight_sync/dropped_engines"] == 1  # the odd one; the dead one is gone
+        assert [(r["url"], r["updates"], r["weight_version"]) for r in coord.table()] == [
+            (url, 1, version) for url in engine_urls
+        ]
         expected = greedy(trainer, PROMPT, GREEDY.max_new_tokens)
         for url in engine_urls:
             async with EngineClient(url) as engine:

@@ -5,8 +5,12 @@ trains, the test starts another engine (a process of its own, serving the run's 
 it (`POST /v1/rollout/engines`) during step 1: it is answered only once the engine holds the
 run's current weights and is in rotation, and rollouts send it requests. Once it has served
 some (and not before step 3) it is removed (`DELETE`): it leaves the rotation, then the run;
-it gets no more requests or weights. The run completes with every episode trained once and
-none lost to an engine error.
+it gets no more requests or weights. Beside that, as soon as the run has its own engine, the
+test asks it to launch one more (`{"launch": true}`), answered once that one is in rotation;
+once it has served and received later weights (and not before step 6) it is removed too, and
+its process stops. The run
+completes with every episode trained once and none lost to an engine error. The api role's
+`/metrics` shows each engine's weight updates while it is in the run, and nothing of it after.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ from omniloop.processes import free_port, stop_process
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 10
+STEPS = 16
 TASKS_PER_STEP = 4
 SAMPLES = 4
-ADD_AT, REMOVE_AT = 1, 3
+ADD_AT, REMOVE_AT, REMOVE_LAUNCHED_AT = 1, 3, 6
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -44,8 +48,42 @@ def generate_requests(log: Path) -> int:
     return sum("POST /generate" in line for line in log.read_text().splitlines())
 
 
+def served_requests(url: str) -> float:
+    """Requests the engine at `url` answered (its `/metrics`)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "omniloop_engine_requests_total"
+    )
+
+
+def answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def weight_version(url: str) -> int:
     return int(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
+
+
+def engine_series(api: str) -> dict[str, dict[str, float]]:
+    """The `omniloop_dcs_engine_*` samples of the api role's `/metrics`: engine -> name -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{api}/metrics", timeout=30).text
+    series: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("omniloop_dcs_engine_"):
+                name = sample.name.removeprefix("omniloop_dcs_engine_")
+                series.setdefault(sample.labels["engine"], {})[name] = sample.value
+    return series
 
 
 @dataclass
@@ -61,17 +99,20 @@ def _step_started(run_dir: Path, step: int) -> bool:
 
 
 def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> None:
-    """During step ADD_AT add the engine at `extra`; during step REMOVE_AT remove it."""
+    """During step ADD_AT add the engine at `extra`; once it has served, and not before step
+    REMOVE_AT, remove it."""
     seen = elastic.seen
     try:
         while not _step_started(elastic.run_dir, ADD_AT):
             time.sleep(0.05)
         first = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()["engines"][0]["url"]
+        seen["own"] = first
         seen["run_version_before_add"] = weight_version(first)
         added = httpx.post(f"{api}/v1/rollout/engines", json={"url": extra}, timeout=300)
         seen["add"] = (added.status_code, added.json())
         seen["version_when_added"] = weight_version(extra)
         seen["listed_after_add"] = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()
+        seen["series_after_add"] = engine_series(api)
         # Removed once it has served (rollouts read the rotation every 2 s, later on a loaded
         # machine), and not before step REMOVE_AT.
         deadline = time.monotonic() + 300
@@ -80,20 +121,60 @@ def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> No
         while not _step_started(elastic.run_dir, REMOVE_AT):
             time.sleep(0.05)
         seen["requests_before_remove"] = generate_requests(log)
+        seen["series_before_remove"] = engine_series(api)
         unknown = httpx.delete(
             f"{api}/v1/rollout/engines", params={"url": "http://127.0.0.1:9"}, timeout=60
         )
         seen["remove_unknown"] = (unknown.status_code, unknown.json())
         removed = httpx.delete(
-            f"{api}/v1/rollout/engines", params={"url": extra, "drain_s": 3}, timeout=300
+            f"{api}/v1/rollout/engines", params={"url": extra, "drain_s": 5}, timeout=300
         )
         seen["remove"] = (removed.status_code, removed.json())
         seen["listed_after_remove"] = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()
+        seen["series_after_remove"] = engine_series(api)
         time.sleep(15)  # a request already on its way when the rotation changed has landed
         seen["requests_after_remove"] = generate_requests(log)
         seen["version_after_remove"] = weight_version(extra)
     except Exception as err:  # reported by the tests, not lost in this thread
-        elastic.errors.append(repr(err))
+        elastic.errors.append(f"add/remove: {err!r} after {sorted(seen)}")
+
+
+def _launch_then_remove(elastic: ElasticRun, api: str) -> None:
+    """As soon as the run has an engine, have it launch another; once that one has served,
+    and not before step REMOVE_LAUNCHED_AT, remove it."""
+    seen = elastic.seen
+    try:
+        while True:
+            try:
+                listed = httpx.get(f"{api}/v1/rollout/engines", timeout=30)
+                if listed.status_code == 200 and listed.json()["engines"]:
+                    break
+            except httpx.HTTPError:
+                pass  # the api role is not up yet
+            time.sleep(0.2)
+        launched = httpx.post(f"{api}/v1/rollout/engines", json={"launch": True}, timeout=300)
+        seen["launch"] = (launched.status_code, launched.json())
+        url = launched.json()["url"]
+        seen["launched_version_when_answered"] = weight_version(url)
+        seen["series_after_launch"] = engine_series(api)
+        deadline = time.monotonic() + 300
+        while not served_requests(url) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while not _step_started(elastic.run_dir, REMOVE_LAUNCHED_AT):
+            time.sleep(0.05)
+        seen["launched_served"] = served_requests(url)
+        seen["launched_version_before_remove"] = weight_version(url)
+        removed = httpx.delete(
+            f"{api}/v1/rollout/engines", params={"url": url, "drain_s": 5}, timeout=300
+        )
+        seen["remove_launched"] = (removed.status_code, removed.json())
+        seen["launched_answers_after_remove"] = answers(url)
+        seen["listed_after_remove_launched"] = httpx.get(
+            f"{api}/v1/rollout/engines", timeout=30
+        ).json()
+        seen["series_after_remove_launched"] = engine_series(api)
+    except Exception as err:  # reported by the tests, not lost in this thread
+        elastic.errors.append(f"launch/remove: {err!r} after {sorted(seen)}")
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +203,18 @@ def elastic_run(toy_config: Any, toy_model: Path, tmp_path_factory: pytest.TempP
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     elastic = ElasticRun(run_dir)
     try:
-        watcher = threading.Thread(
-            target=_add_then_remove, args=(elastic, f"http://127.0.0.1:{port}", extra, log)
-        )
-        watcher.start()
+        api = f"http://127.0.0.1:{port}"
+        watchers = [
+            threading.Thread(target=_add_then_remove, args=(elastic, api, extra, log)),
+            threading.Thread(target=_launch_then_remove, args=(elastic, api)),
+        ]
+        for watcher in watchers:
+            watcher.start()
         try:
             asyncio.run(run(config))
         finally:
-            watcher.join(timeout=120)
+            for watcher in watchers:
+                watcher.join(timeout=120)
         elastic.seen["requests_at_end"] = generate_requests(log)
         elastic.seen["version_at_end"] = weight_version(extra)
         yield elastic, extra
@@ -145,10 +230,10 @@ def test_the_added_engine_held_the_current_weights_and_was_in_rotation_when_answ
     seen = elastic.seen
     status, body = seen["add"]
     assert status == 201, body
-    assert body == {"url": extra, "in_rotation": True}
-    assert seen["version_when_added"] >= seen["run_version_before_add"]
+    assert (body["url"], body["in_rotation"]) == (extra, True)
+    assert body["weight_version"] == seen["version_when_added"] >= seen["run_version_before_add"]
     listed = seen["listed_after_add"]["engines"]
-    assert len(listed) == 2
+    assert {seen["own"], extra} <= {e["url"] for e in listed}  # (and the launched one, if up)
     assert all(e["in_rotation"] for e in listed)
 
 
@@ -157,11 +242,55 @@ def test_rollouts_sent_the_added_engine_requests_until_it_was_removed(elastic_ru
     seen = elastic.seen
     assert seen["requests_before_remove"] > 0
     assert seen["remove"] == (200, {"url": extra, "removed": True})
-    assert [e["url"] for e in seen["listed_after_remove"]["engines"]] != [extra]
-    assert len(seen["listed_after_remove"]["engines"]) == 1
+    listed = [e["url"] for e in seen["listed_after_remove"]["engines"]]
+    assert extra not in listed
+    assert seen["own"] in listed
     # Gone from the run: no more requests, no more weights.
     assert seen["requests_at_end"] == seen["requests_after_remove"]
     assert seen["version_at_end"] == seen["version_after_remove"]
+
+
+def test_a_launched_engine_served_with_the_current_weights_and_stopped_when_removed(
+    elastic_run: Any,
+) -> None:
+    elastic, extra = elastic_run
+    assert not elastic.errors, elastic.seen
+    seen = elastic.seen
+    status, body = seen["launch"]
+    assert status == 201, body
+    launched = body["url"]
+    assert launched not in (extra, seen["own"])
+    assert body["in_rotation"] is True
+    assert seen["launched_version_when_answered"] >= body["weight_version"]
+    assert seen["series_after_launch"][launched]["in_rotation"] == 1
+    # It served, and the run's later weights reached it.
+    assert seen["launched_served"] > 0
+    assert seen["launched_version_before_remove"] > body["weight_version"]
+    assert seen["remove_launched"] == (200, {"url": launched, "removed": True})
+    assert not seen["launched_answers_after_remove"]  # its replica stopped it
+    listed = [e["url"] for e in seen["listed_after_remove_launched"]["engines"]]
+    assert launched not in listed
+    assert seen["own"] in listed
+    assert set(seen["series_after_remove_launched"]) == set(listed)
+
+
+def test_metrics_show_each_engines_weight_updates_while_it_is_in_the_run(
+    elastic_run: Any,
+) -> None:
+    elastic, extra = elastic_run
+    seen = elastic.seen
+    assert seen["series_after_add"][extra]["in_rotation"] == 1
+    first = seen["own"]
+    # By step 3 the run's own engine has had at least two updates, all of the same size.
+    engine = seen["series_before_remove"][first]
+    assert engine["in_rotation"] == 1
+    assert engine["updates_total"] >= 2
+    assert engine["update_bytes_total"] > 0
+    assert engine["update_bytes_total"] % engine["updates_total"] == 0
+    assert 0 < engine["last_update_seconds"] <= engine["update_seconds_total"]
+    assert engine["weight_version"] >= 1
+    assert extra not in seen["series_after_remove"]
+    assert first in seen["series_after_remove"]
 
 
 def test_the_run_lost_no_episode_and_trained_each_once(elastic_run: Any) -> None:
@@ -195,4 +324,8 @@ def test_bad_requests_are_problems(elastic_run: Any) -> None:
         bad = client.post("/v1/rollout/engines", json={"url": "not a url"})
         assert bad.status_code == 422
         assert "url" in bad.text
+        for both_or_neither in ({"url": "http://127.0.0.1:9", "launch": True}, {}):
+            bad = client.post("/v1/rollout/engines", json=both_or_neither)
+            assert bad.status_code == 422
+            assert '"launch": true' in bad.json()["detail"]
         assert client.get("/v1/rollout/engines").status_code == 503
