@@ -31,6 +31,7 @@ that joins again (or restarts) counts from zero.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -43,6 +44,9 @@ from omniloop.errors import EngineError
 from omniloop.platform.api.problems import ApiProblem, problem_responses
 
 log = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 5.0
+"""How long a `/metrics` scrape waits for the actor's engine table before leaving it out."""
 
 
 class EngineEntry(BaseModel):
@@ -127,8 +131,8 @@ class RunEnginesCollector:
 
     async def refresh(self) -> None:
         try:
-            self.engines = (await _table()).engines
-        except Exception as err:  # no actor (yet, or not in a run): no series
+            self.engines = (await asyncio.wait_for(_table(), SCRAPE_TIMEOUT_S)).engines
+        except Exception as err:  # no actor (yet, or not in a run, or busy): no series
             log.debug("engine table unreadable for /metrics: %s", err)
             self.engines = []
 
@@ -191,7 +195,10 @@ def engine_router(launcher: EngineLauncher | None = None) -> APIRouter:
             failure: str | None = await actor.add_engine.remote(url)
             if failure is not None:
                 raise ApiProblem(422, "engine-unusable", f"engine {url} was not added: {failure}")
-        return next(e for e in (await _table()).engines if e.url == url)
+        entry = next((e for e in (await _table()).engines if e.url == url), None)
+        if entry is None:  # it failed an update, or was removed, right after it joined
+            raise ApiProblem(422, "engine-unusable", f"engine {url} left the run as it joined")
+        return entry
 
     @router.delete("", response_model=RemovedEngine, responses=problem_responses(404, 503))
     async def remove_engine(

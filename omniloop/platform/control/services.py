@@ -596,6 +596,8 @@ def engine_deployment(
 
 LAUNCHED = "engine+"
 """Prefix of the Serve applications of engines launched on request (`engine+1`, ...)."""
+LAUNCHED_URL_TIMEOUT_S = 10.0
+"""How long a launched engine's replica has to tell its URL when one is being removed."""
 
 
 class ServeEngineLauncher:
@@ -641,7 +643,10 @@ class ServeEngineLauncher:
         """Undeploy the launched engine at `url`; False if none of them is at `url`."""
         for name in self._launched():
             try:
-                served: str = await serve.get_app_handle(name).url.remote()
+                # A replica that is not up would hold the call until Serve replaces it.
+                served: str = await asyncio.wait_for(
+                    serve.get_app_handle(name).url.remote(), LAUNCHED_URL_TIMEOUT_S
+                )
             except Exception:  # not (yet, or no longer) up: not the one asked for
                 continue
             if served == url:
