@@ -7,8 +7,9 @@ tokens served from the prefix cache) and `omniloop_engine_forward_passes_total`.
 `omniloop_engine_running_requests`, `omniloop_engine_waiting_requests`,
 `omniloop_engine_weight_version` and `omniloop_engine_paused` (1 while generation is paused).
 
-The scheduler thread writes these numbers while a scrape reads them; a scrape may see one
-request counted and its tokens not yet (no lock is taken for a read that only reports).
+The scheduler thread writes these numbers while a scrape reads them, with no lock: a scrape
+may see a request counted and its tokens not yet, and a forward pass is counted once it has
+completed, which may be just after the requests it answered got their responses.
 """
 
 from __future__ import annotations
