@@ -51,13 +51,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import os
 import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -77,7 +78,7 @@ from omniloop.inference.llama import (
 )
 from omniloop.inference.prefix_cache import PrefixIndex
 from omniloop.inference.sampling import GREEDY_EPS, sample
-from omniloop.inference.weight_groups import WeightGroups
+from omniloop.inference.weight_groups import WeightGroups, WeightSpec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -282,7 +283,9 @@ class EngineCore:
         """Prompt tokens of the requests answered so far."""
         self.generated_tokens = 0
         """Tokens sampled for the requests answered so far."""
-        self.weight_groups = WeightGroups(self.update_weights)
+        self._direct = 0
+        """Buckets being written straight into the model now (`receiving_in_place`)."""
+        self.weight_groups = WeightGroups(self.update_weights, in_place=self)
         """A trainer's broadcast groups (`init_weights_update_group`,
         `update_weights_from_distributed`, `destroy_weights_update_group`)."""
 
@@ -459,6 +462,44 @@ class EngineCore:
             self._cv.notify_all()
         return future
 
+    def direct_targets(self, specs: Sequence[WeightSpec]) -> list[torch.Tensor] | None:
+        """The model's own tensors for a bucket's `specs`, to receive it straight into them
+        (no buffer, no copy), when that is safe: generation is paused in place, no queued
+        update still copies tensors in, and each spec is a weight of the model with that dtype
+        and shape. None otherwise (the bucket goes through a buffer and a queued update)."""
+        with self._cv:
+            if not self._paused or any(u.named for u in self._updates):
+                return None
+        targets = []
+        for name, dtype, shape in specs:
+            try:
+                target = self.weights.target(name)
+            except ConfigError:
+                return None
+            if target.dtype != dtype or tuple(target.shape) != shape:
+                return None
+            if not target.is_contiguous():
+                return None
+            targets.append(target)
+        return targets
+
+    @contextlib.contextmanager
+    def receiving_in_place(self) -> Iterator[None]:
+        """Hold forward passes while a bucket is written into the model; if writing fails, the
+        weights are partly written: admit nothing until a complete update."""
+        with self._cv:
+            self._direct += 1
+        try:
+            yield
+        except BaseException:
+            with self._cv:
+                self._holding = True
+            raise
+        finally:
+            with self._cv:
+                self._direct -= 1
+                self._cv.notify_all()
+
     def update_weights_from_disk(
         self,
         model_path: str | Path,
@@ -532,7 +573,12 @@ class EngineCore:
     def _has_work(self) -> bool:
         if self._controls or self._updates:
             return True
-        return not self._paused and not self._holding and bool(self._active or self._waiting)
+        return (
+            not self._paused
+            and not self._holding
+            and not self._direct
+            and bool(self._active or self._waiting)
+        )
 
     def _run(self) -> None:
         # Process-wide in torch: an in-process core also sets the caller's thread count.
@@ -555,7 +601,7 @@ class EngineCore:
                         if not self._paused and self._active:
                             self._guarded(self._decode_step, self._active)
                         continue
-                    if self._paused or self._holding:
+                    if self._paused or self._holding or self._direct:
                         continue
                     admitted = self._admit()
                     if admitted:

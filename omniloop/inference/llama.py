@@ -216,6 +216,11 @@ class LlamaWeights:
             n for n in self._slots if n != "lm_head.weight" or not self.config.tie_word_embeddings
         ]
 
+    def target(self, name: str) -> torch.Tensor:
+        """The model's tensor (or the view of a fused one) that weight `name` is;
+        `ConfigError` for a name the model has not."""
+        return self._target(name)
+
     def _target(self, name: str) -> torch.Tensor:
         slot = self._slots.get(name)
         if slot is None:

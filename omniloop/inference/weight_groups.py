@@ -4,15 +4,20 @@
 never the default group) and `update_weights_from_distributed` receives one broadcast bucket on
 the calling thread, so generation goes on while the bytes arrive, then hands it to the engine's
 scheduler as an update (`EngineCore.update_weights`); only the copy into the model waits for
-the drain. Also the wire helpers shared with the trainer's side (`omniloop.platform.dcs`):
-dtype names, tensors packed in a byte buffer, the group's store, and daemon threads for calls
-that may block until a torch.distributed timeout.
+the drain. A bucket broadcast tensor by tensor to an engine paused in place (`InPlaceReceiver`)
+lands straight in the model's tensors instead, with no buffer and no copy; the update that
+follows only sets the version and empties the prefix cache.
+
+Also the wire helpers shared with the trainer's side (`omniloop.platform.dcs`): dtype names,
+tensors packed in a byte buffer, the group's store, and daemon threads for calls that may block
+until a torch.distributed timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import threading
 from collections.abc import Callable, Sequence
@@ -48,6 +53,25 @@ class UpdateWeights(Protocol):
     ) -> concurrent.futures.Future[Any]: ...
 
 
+WeightSpec = tuple[str, torch.dtype, tuple[int, ...]]
+"""A tensor of a bucket: its Hugging Face name, dtype and shape."""
+
+
+class InPlaceReceiver(Protocol):
+    """The engine's model, for receiving a bucket straight into its tensors (no buffer, no
+    copy) while nothing reads them (`EngineCore`)."""
+
+    def direct_targets(self, specs: Sequence[WeightSpec]) -> list[torch.Tensor] | None:
+        """The model's own tensors for `specs` when a bucket may be written into them now;
+        None when it must go through a buffer."""
+        ...
+
+    def receiving_in_place(self) -> contextlib.AbstractContextManager[None]:
+        """Held while a bucket is written into the model: no forward pass runs, and if the
+        write fails the engine admits nothing until a complete update."""
+        ...
+
+
 @dataclass
 class _UpdateGroup:
     """A joined weight-update group and what receiving into it needs."""
@@ -77,8 +101,11 @@ class WeightGroups:
     receiving while the bytes arrive), never the engine's scheduler.
     """
 
-    def __init__(self, update_weights: UpdateWeights) -> None:
+    def __init__(
+        self, update_weights: UpdateWeights, in_place: InPlaceReceiver | None = None
+    ) -> None:
         self._update_weights = update_weights
+        self._in_place = in_place
         self._groups: dict[str, _UpdateGroup] = {}
         self._joining: set[str] = set()
         self._groups_lock = threading.Lock()
@@ -193,18 +220,29 @@ class WeightGroups:
             for n, d, s in zip(names, dtypes, shapes, strict=True)
         ]
         with update_group.lock:
-            slot = update_group.slot
-            update_group.slot ^= 1
-            pending = update_group.pending[slot]
-            if pending is not None:
-                # The tensors of the bucket before last are views of this buffer.
-                concurrent.futures.wait([pending])
-                update_group.pending[slot] = None
-            if flattened:
-                named = self._receive_flattened(update_group, slot, specs)
+            slot = -1
+            targets = None
+            if not flattened and self._in_place is not None:
+                targets = self._in_place.direct_targets(specs)
+            if targets is not None:
+                # Generation is paused in place: the bucket lands in the model itself, and the
+                # update that follows only does the bookkeeping (version, prefix cache).
+                with self._in_place.receiving_in_place():  # type: ignore[union-attr]
+                    self._broadcast_into(update_group, targets)
+                named: list[tuple[str, torch.Tensor]] = []
             else:
-                named = self._receive_each(update_group, slot, specs)
-            named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
+                slot = update_group.slot
+                update_group.slot ^= 1
+                pending = update_group.pending[slot]
+                if pending is not None:
+                    # The tensors of the bucket before last are views of this buffer.
+                    concurrent.futures.wait([pending])
+                    update_group.pending[slot] = None
+                if flattened:
+                    named = self._receive_flattened(update_group, slot, specs)
+                else:
+                    named = self._receive_each(update_group, slot, specs)
+                named = [(n, t) for n, t in named if not n.endswith("rotary_emb.inv_freq")]
             if version is not None:
                 parts, update_group.parts = update_group.parts, []
                 concurrent.futures.wait(parts)
@@ -217,7 +255,8 @@ class WeightGroups:
             future = self._update_weights(
                 named, version=version, abort_all=abort_all, partial=version is None
             )
-            update_group.pending[slot] = future
+            if slot >= 0:
+                update_group.pending[slot] = future
             if version is None:
                 update_group.parts.append(future)
             return future
@@ -256,6 +295,13 @@ class WeightGroups:
         return tensor_views(
             flat, [(n, d, s, o) for (n, d, s), o in zip(specs, offsets, strict=True)]
         )
+
+    @staticmethod
+    def _broadcast_into(update_group: _UpdateGroup, targets: Sequence[torch.Tensor]) -> None:
+        works = [dist.broadcast(t, src=0, group=update_group.group, async_op=True) for t in targets]
+        for work in works:
+            if work is not None:
+                work.wait()
 
     @classmethod
     def _receive_each(

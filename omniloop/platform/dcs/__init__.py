@@ -7,8 +7,11 @@ Three backends of one `WeightSync` protocol, chosen by `WeightSyncConfig.method`
   of its own (its own store and name; a default group, if the process has one, is left alone)
   in which it is rank 0, and asks each engine to join it (`/init_weights_update_group`, rank
   1..n). Then per bucket it announces names, dtypes and shapes to every engine
-  (`/update_weights_from_distributed`) while it broadcasts the bytes. gloo on CPU, NCCL on
-  GPU: the same code, the backend string comes from the config.
+  (`/update_weights_from_distributed`) while it broadcasts the bytes: one broadcast per
+  tensor by default, which omniloop's engine, when paused in place, receives straight into its
+  model (nothing packed on the trainer, nothing copied on the engine); or, with `flattened`,
+  the bucket as one uint8 broadcast (SGLang's `flattened_bucket`). gloo on CPU, NCCL on GPU:
+  the same code, the backend string comes from the config.
 - `tcp` (`TcpWeightSync`, `dcs/tcp.py`): the engines fetch checksummed buckets over HTTP from
   a bucket server in the trainer's process (`/update_weights_from_tcp`), resuming a broken
   transfer per bucket; for engines in another cluster or behind NAT. omniloop's engine only.

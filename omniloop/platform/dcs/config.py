@@ -25,9 +25,11 @@ class WeightSyncConfig(StrictModel):
     a tensor that is larger travels alone."""
     backend: Literal["gloo", "nccl"] = "gloo"
     """Distributed: `gloo` (CPU tensors; omniloop's CPU engine) or `nccl` (SGLang on GPUs)."""
-    flattened: bool = True
-    """Distributed: send each bucket as one uint8 broadcast (SGLang's `flattened_bucket`
-    load format); false: one broadcast per tensor, for SGLang builds without that format."""
+    flattened: bool = False
+    """Distributed: false (the default), one broadcast per tensor: an engine paused in place
+    receives each straight into its model (no receive buffer, no copy) and the trainer packs
+    nothing; true, each bucket as one uint8 broadcast (SGLang's `flattened_bucket` load
+    format: fewer calls, but a pack on the trainer and a copy on the engine)."""
     master_addr: str = "127.0.0.1"
     """Distributed: the trainer's address as the engines reach it (rank 0 serves the store)."""
     master_port: int = Field(default=0, ge=0, le=65535)

@@ -57,7 +57,7 @@ class DistributedWeightSync:
         master_addr: str = "127.0.0.1",
         master_port: int = 0,
         group_name: str | None = None,
-        flattened: bool = True,
+        flattened: bool = False,
         ranks_per_engine: int = 1,
         timeout_s: float = 600.0,
         update_mode: UpdateMode = "in_place",

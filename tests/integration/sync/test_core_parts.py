@@ -99,3 +99,45 @@ def test_buckets_keep_order_and_size_and_a_big_tensor_travels_alone() -> None:
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]
     with pytest.raises(ValueError, match="positive"):
         plan_buckets(named, 0)
+
+
+def test_a_bucket_is_received_into_the_model_only_while_paused_in_place(core: EngineCore) -> None:
+    specs = [
+        (name, tensor.dtype, tuple(tensor.shape))
+        for name, tensor in list(core.weights.state_dict().items())[:3]
+    ]
+    assert core.direct_targets(specs) is None  # generating: a forward pass may read them
+    core.pause("in_place").result(timeout=30)
+    try:
+        targets = core.direct_targets(specs)
+        assert targets is not None
+        for (name, _, _), target in zip(specs, targets, strict=True):
+            assert target.data_ptr() == core.weights.target(name).data_ptr()
+        name, dtype, shape = specs[0]
+        assert core.direct_targets([(name, torch.float16, shape)]) is None
+        assert core.direct_targets([(name, dtype, (1, *shape))]) is None
+        assert core.direct_targets([("model.no_such.weight", dtype, shape)]) is None
+    finally:
+        core.resume().result(timeout=30)
+
+
+def test_nothing_is_sampled_while_a_bucket_is_written_into_the_model(core: EngineCore) -> None:
+    core.pause("in_place").result(timeout=30)
+    with core.receiving_in_place():
+        core.resume().result(timeout=30)  # even continued, no forward pass runs meanwhile
+        waiting = core.submit(request(2))
+        assert still_waiting(waiting, 0.5)
+    assert waiting.result(timeout=30).finish_type == "length"
+
+
+def test_a_failed_write_into_the_model_keeps_admission_closed(core: EngineCore) -> None:
+    core.pause("in_place").result(timeout=30)
+    with pytest.raises(RuntimeError), core.receiving_in_place():
+        raise RuntimeError("the broadcast broke half-way")
+    assert core.updating  # written partly: nothing is admitted until a complete update
+    version = core.weight_version
+    named = [(n, t.clone()) for n, t in core.weights.state_dict().items()]
+    core.update_weights(named, version=version + 1).result(timeout=30)
+    assert not core.updating
+    core.resume().result(timeout=30)
+    assert core.submit(request(3)).result(timeout=30).weight_version == version + 1

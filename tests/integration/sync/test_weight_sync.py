@@ -36,15 +36,19 @@ PROMPTS = [
     [1, 9690, 28, 30, 31, 32],
 ]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
-METHODS = ["disk", "distributed", "tcp"]
-BUCKETED = ("distributed", "tcp")
+METHODS = ["disk", "distributed", "distributed-each", "tcp"]
+"""`distributed-each`: one broadcast per tensor (`flattened: false`), which an engine paused
+in place receives straight into its model."""
+BUCKETED = ("distributed", "distributed-each", "tcp")
 
 
 def sync_config(method: str, tmp_path: Path, update_mode: str = "in_place") -> WeightSyncConfig:
     # Small buckets, so the tiny model (a 12.6 MB embedding and 0.3 MB of layers) travels in
     # several: the multi-bucket path.
+    method, _, each = method.partition("-")
     return WeightSyncConfig(
         method=method,
+        flattened=not each,
         bucket_mb=0.05,
         staging_dir=str(tmp_path / "staging"),
         timeout_s=120,
