@@ -4,9 +4,9 @@ raw loopback TCP, for 1, 2 and 4 engines; then syncs under load.
 Prints ONE JSON line. The weights of `--model` (SmolLM2: 134.5M parameters, ~0.54 GB fp32) are
 published to `--engines` local `omniloop engine serve` subprocesses (the largest count is
 started once; each count uses the first engines) with `DistributedWeightSync` (gloo broadcast
-in `--bucket-mb` buckets + `/update_weights_from_distributed`; `distributed`: each bucket one
-flattened broadcast, `distributed_each`: one broadcast per tensor, which the engines, paused
-in place, receive straight into their models), `TcpWeightSync` (the engines
+in `--bucket-mb` buckets + `/update_weights_from_distributed`; `distributed`, the default:
+one broadcast per tensor, which the engines, paused in place, receive straight into their
+models; `distributed_flattened`: each bucket one uint8 broadcast), `TcpWeightSync` (the engines
 fetch checksummed buckets from the bench's bucket server, `/update_weights_from_tcp`) and
 `DiskWeightSync` (safetensors folder + `/update_weights_from_disk`). Each is warmed up once
 (the distributed warm-up also builds the process group, reported as `distributed_connect_s`),
@@ -198,8 +198,8 @@ async def measure(
     staging = Path(tempfile.mkdtemp(prefix="omniloop-bench-weights-"))
     syncs: dict[str, WeightSync] = {
         "distributed": DistributedWeightSync(urls, bucket_mb=args.bucket_mb, timeout_s=600),
-        "distributed_each": DistributedWeightSync(
-            urls, bucket_mb=args.bucket_mb, flattened=False, timeout_s=600
+        "distributed_flattened": DistributedWeightSync(
+            urls, bucket_mb=args.bucket_mb, flattened=True, timeout_s=600
         ),
         "tcp": TcpWeightSync(urls, bucket_mb=args.bucket_mb, timeout_s=600),
         "disk": DiskWeightSync(urls, staging, model_dir=resolve_model(args.model), timeout_s=600),
@@ -253,7 +253,9 @@ async def measure(
         "loopback_s": round(median["loopback"], 4),
         "loopback_gbps": round(gbps["loopback"], 3),
         "distributed_vs_loopback": round(gbps["distributed"] / gbps["loopback"], 3),
-        "distributed_each_vs_loopback": round(gbps["distributed_each"] / gbps["loopback"], 3),
+        "distributed_flattened_vs_loopback": round(
+            gbps["distributed_flattened"] / gbps["loopback"], 3
+        ),
         "tcp_vs_loopback": round(gbps["tcp"] / gbps["loopback"], 3),
         "runs_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
         "cpu_s_per_sync": {
