@@ -424,15 +424,12 @@ async def service_roles(
     settings = config.services
     per_replica = max(1, math.ceil(config.rollout.concurrency / settings.rollout_replicas))
 
-    def placed(role: str) -> dict[str, Any]:
-        return role_options(config, role)
-
     cwd, paths = os.getcwd(), [p for p in sys.path if p]
     rollout_app = serve.deployment(
         name="rollout",
         num_replicas=settings.rollout_replicas,
         max_ongoing_requests=per_replica,
-        **placed("rollout"),
+        **role_options(config, "rollout"),
     )(RolloutServer).bind(
         config.model_copy(
             update={"rollout": config.rollout.model_copy(update={"concurrency": per_replica})}
@@ -441,17 +438,23 @@ async def service_roles(
         paths,
     )
     advantage_app = serve.deployment(
-        name="advantage", num_replicas=1, max_ongoing_requests=64, **placed("advantage")
+        name="advantage",
+        num_replicas=1,
+        max_ongoing_requests=64,
+        **role_options(config, "advantage"),
     )(AdvantageServer).bind(config, cwd, paths)
     with_reference = uses_reference_role(config)
     reference_app = serve.deployment(
-        name="reference", num_replicas=1, max_ongoing_requests=64, **placed("reference")
+        name="reference",
+        num_replicas=1,
+        max_ongoing_requests=64,
+        **role_options(config, "reference"),
     )(ReferenceServer).bind(config, cwd, paths)
     reward_app = serve.deployment(
         name="reward",
         num_replicas=settings.reward_replicas,
         max_ongoing_requests=max(per_replica, 8),
-        **placed("reward"),
+        **role_options(config, "reward"),
     )(RewardServer).bind(
         config.rollout.rewards,
         config.rollout.reward_timeout,
@@ -463,17 +466,17 @@ async def service_roles(
         name="sandbox",
         num_replicas=settings.sandbox_replicas,
         max_ongoing_requests=1024,
-        **placed("sandbox"),
+        **role_options(config, "sandbox"),
     )(SandboxServer).bind(config, cwd, paths)
     actor_app = serve.deployment(
-        name="actor", num_replicas=1, max_ongoing_requests=8, **placed("actor")
+        name="actor", num_replicas=1, max_ongoing_requests=8, **role_options(config, "actor")
     )(ActorServer).bind(config, cwd, paths)
     engines = 1 if config.rollout.engine.url else settings.engine_replicas
     engine_app = engine_deployment(config, cwd, paths, replicas=engines)
 
     api_port = settings.api_port or free_port()
     api_app = serve.deployment(
-        name="api", num_replicas=1, max_ongoing_requests=256, **placed("api")
+        name="api", num_replicas=1, max_ongoing_requests=256, **role_options(config, "api")
     )(serve.ingress()(ApiServer)).bind(config, os.environ.get("OMNILOOP_API_TOKEN"), cwd, paths)
 
     def deploy() -> tuple[DeploymentHandle, ...]:
@@ -611,12 +614,11 @@ class ServeEngineLauncher:
     does not follow these applications; Serve still restarts a replica that fails."""
 
     def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:
-        if config.rollout.engine.url:
-            self._unusable: str | None = (
-                "the run adopts the engine at rollout.engine.url; it launches none"
-            )
-        else:
-            self._unusable = None
+        self._unusable = (
+            "the run adopts the engine at rollout.engine.url; it launches none"
+            if config.rollout.engine.url
+            else None
+        )
         self._config, self._cwd, self._paths = config, cwd, paths
 
     async def launch(self) -> str:
