@@ -48,5 +48,11 @@ class ToolError(OmniloopError):
     """A tool call could not be carried out; its message is shown to the model."""
 
 
+class MediaError(OmniloopError, ValueError):
+    """A media item cannot be used: unreadable, empty, over a configured bound, or of a kind
+    the model does not take. The message names the item (its kind and content hash or source)
+    and the bound or setting to change."""
+
+
 class RewardError(OmniloopError):
     """A reward function raised or timed out."""

@@ -10,6 +10,12 @@ is split at the sentinels; glue pieces are tokenized with special tokens recogni
 with and without the new messages, which is how the template would have continued it, and is
 appended after the sampled tokens, which are never rendered again.
 
+Media: a message's content may also be a list of parts, `{"type": "text", "text": ...}` and
+`{"type": "image" | "audio" | "video", "tokens": n, ...}` (n: the placeholder count its processor
+reported; other keys, such as the `Media` reference, ride along untouched). A media part is
+rendered as its placeholder block (`MediaTokens.block`), assembled as ids: the template never
+sees or re-tokenizes it, and placeholder text inside a text part stays text.
+
 Not covered: templates that rewrite earlier turns when a new one is added (e.g. ones that drop
 past `<think>` blocks) are not append-only; `ChatFormat` refuses them with a clear error instead
 of silently diverging from what the template would render.
@@ -21,6 +27,8 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from omniloop.errors import ConfigError
+from omniloop.modalities.media import MediaKind
+from omniloop.modalities.processing import MediaTokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,6 +40,8 @@ _PROBE_USER = "\u2063OMNILOOPPROBEUSER\u2063"
 _PROBE_ASSISTANT = "\u2063OMNILOOPPROBEASSISTANT\u2063"
 
 Message = dict[str, Any]
+# What stands at a sentinel: a text segment (tokenized once) or a media block's ids.
+Segment = str | list[int]
 
 
 class ChatFormat:
@@ -47,6 +57,7 @@ class ChatFormat:
             )
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self._media_tokens: MediaTokens | None = None
         self.stop_token_ids = self._stop_token_ids()
         self._assistant_suffix = self._probe_assistant_suffix()
         self._probe = [
@@ -138,24 +149,63 @@ class ChatFormat:
 
     def _render_with_sentinels(
         self, messages: list[Message], *, add_generation_prompt: bool
-    ) -> tuple[str, list[str]]:
-        contents: list[str] = []
+    ) -> tuple[str, list[Segment]]:
+        contents: list[Segment] = []
         stand_ins = []
         for message in messages:
             content = message.get("content")
-            if not isinstance(content, str):
-                raise ConfigError(
-                    f"message content must be a string, got {type(content).__name__} "
-                    f"in a {message.get('role')!r} message"
-                )
             if content in (_PROBE_USER, _PROBE_ASSISTANT):
                 stand_ins.append(message)
                 continue
-            stand_ins.append({**message, "content": _SENTINEL.format(len(contents))})
-            contents.append(content)
+            if isinstance(content, str):
+                parts: list[Segment] = [content]
+            elif isinstance(content, list):
+                parts = []
+                for part in content:
+                    segment = self._segment(part, message.get("role"))
+                    if isinstance(segment, str) and parts and isinstance(parts[-1], str):
+                        # Adjacent text parts are one text, tokenized once (as "a" "b" would
+                        # not be as "ab").
+                        parts[-1] += segment
+                    else:
+                        parts.append(segment)
+            else:
+                raise ConfigError(
+                    f"message content must be a string or a list of parts, got "
+                    f"{type(content).__name__} in a {message.get('role')!r} message"
+                )
+            sentinels = "".join(_SENTINEL.format(len(contents) + i) for i in range(len(parts)))
+            stand_ins.append({**message, "content": sentinels})
+            contents += parts
         return self._apply(stand_ins, add_generation_prompt=add_generation_prompt), contents
 
-    def _tokenize(self, text: str, contents: list[str]) -> list[int]:
+    def _segment(self, part: Any, role: Any) -> Segment:
+        """A content part as a text segment or a media block's ids."""
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            return str(part["text"])
+        if kind in tuple(MediaKind):
+            tokens = part.get("tokens")
+            if not isinstance(tokens, int) or tokens < 1:
+                raise ConfigError(
+                    f"a {kind} part of a {role!r} message needs 'tokens' (its placeholder "
+                    f"count from the model's media processor), got {tokens!r}"
+                )
+            return self.media_tokens.block(MediaKind(kind), tokens)
+        raise ConfigError(
+            f"content part {str(part)[:80]!r} of a {role!r} message is not text, image, audio "
+            "or video; parts look like {'type': 'text', 'text': ...} or "
+            "{'type': 'image', 'tokens': n}"
+        )
+
+    @property
+    def media_tokens(self) -> MediaTokens:
+        """The tokenizer's media token ids (`ConfigError` if it has none)."""
+        if self._media_tokens is None:
+            self._media_tokens = MediaTokens.from_tokenizer(self.tokenizer)
+        return self._media_tokens
+
+    def _tokenize(self, text: str, contents: list[Segment]) -> list[int]:
         ids: list[int] = []
         pos = 0
         seen = 0
@@ -165,9 +215,13 @@ class ChatFormat:
             if index != seen:
                 raise ConfigError("the chat template reorders or repeats message contents")
             seen += 1
-            ids += self.tokenizer.encode(
-                contents[index], add_special_tokens=False, split_special_tokens=True
-            )
+            segment = contents[index]
+            if isinstance(segment, list):
+                ids += segment
+            elif segment:
+                ids += self.tokenizer.encode(
+                    segment, add_special_tokens=False, split_special_tokens=True
+                )
             pos = match.end()
         ids += self._encode_glue(text[pos:])
         if seen != len(contents):
