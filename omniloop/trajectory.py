@@ -148,7 +148,9 @@ class Trajectory(BaseModel):
     prompt_length: int
     """Number of leading prompt tokens."""
     multimodal: list[dict[str, Any]] = Field(default_factory=list)
-    """References to media and their placement in the sequence."""
+    """The media in the sequence, in order: `modalities.MediaPlacement` as dicts (kind,
+    content hash, size, format, `offset` of the first placeholder token, `tokens`). The bytes
+    are in the run's media store, addressed by hash."""
     reward: float | None = None
     reward_info: dict[str, float] = Field(default_factory=dict)
     meta: TrajectoryMeta
@@ -176,6 +178,19 @@ class Trajectory(BaseModel):
             raise ValueError(f"trajectory {self.id}: loss_mask holds values other than 0 and 1")
         if any(self.loss_mask[: self.prompt_length]):
             raise ValueError(f"trajectory {self.id}: prompt tokens are in the loss mask")
+        end = 0
+        for item in self.multimodal:
+            offset, tokens = item.get("offset"), item.get("tokens")
+            if not isinstance(offset, int) or not isinstance(tokens, int) or tokens < 1:
+                raise ValueError(f"trajectory {self.id}: media entry {item} has no placement")
+            if offset < end or offset + tokens > n:
+                raise ValueError(
+                    f"trajectory {self.id}: media at {offset}..{offset + tokens} overlaps the "
+                    f"previous item or runs past the {n} tokens"
+                )
+            if any(self.loss_mask[offset : offset + tokens]):
+                raise ValueError(f"trajectory {self.id}: media placeholders are in the loss mask")
+            end = offset + tokens
 
 
 class TrajectoryBuilder:

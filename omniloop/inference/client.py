@@ -13,6 +13,7 @@ value, reads as 0; anything else that is not an integer is an `EngineError`).
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -26,7 +27,7 @@ from tenacity import (
 )
 
 from omniloop.errors import EngineError
-from omniloop.inference.base import GenerateOutput, SamplingParams
+from omniloop.inference.base import EngineMedia, GenerateOutput, SamplingParams
 from omniloop.inference.protocol import (
     GenerateResponse,
     ModelInfo,
@@ -104,6 +105,16 @@ def parse_generate_output(data: Any) -> GenerateOutput:
     )
 
 
+def media_fields(media: Sequence[EngineMedia]) -> dict[str, list[str]]:
+    """SGLang's `/generate` media fields for `media`: `image_data`, `audio_data`,
+    `video_data`, each a list of base64 `data:` URIs in the order given (absent when empty)."""
+    fields: dict[str, list[str]] = {}
+    for item in media:
+        uri = "data:application/octet-stream;base64," + base64.b64encode(item.data).decode()
+        fields.setdefault(f"{item.kind}_data", []).append(uri)
+    return fields
+
+
 class EngineClient:
     """Async client of one engine at `base_url` (e.g. `http://127.0.0.1:30000`).
 
@@ -175,13 +186,23 @@ class EngineClient:
 
     # -- generation -------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
-        """Sample a continuation of `input_ids` (see `base.Engine`); `EngineError` on failure."""
-        body = {
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        media: Sequence[EngineMedia] = (),
+    ) -> GenerateOutput:
+        """Sample a continuation of `input_ids` (see `base.Engine`); `EngineError` on failure.
+
+        Media travel as base64 `data:` URIs in SGLang's `image_data`, `audio_data` and
+        `video_data` lists (one list per kind, in block order), next to the already expanded
+        `input_ids`."""
+        body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_to_wire(sampling),
             "return_logprob": True,
         }
+        body.update(media_fields(media))
         response = self._check("/generate", await self._send("POST", "/generate", body))
         return parse_generate_output(response.json())
 

@@ -207,9 +207,9 @@ def _tiny_omni_config(tok: PreTrainedTokenizerBase) -> Qwen2_5OmniThinkerConfig:
         ids[name] = token_id
     config = Qwen2_5OmniThinkerConfig(
         text_config={
-            # Rounded up to a multiple of 64 (49159 -> 49216); the extra rows are never produced
-            # by the tokenizer.
-            "vocab_size": (len(tok) + 63) // 64 * 64,
+            # Exactly the tokenizer's 49159 ids, not rounded up: a random model would sample
+            # rows no token stands for, which no text decodes to.
+            "vocab_size": len(tok),
             "hidden_size": 64,
             "intermediate_size": 128,
             "num_hidden_layers": 2,

@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 import httpx
 
 from omniloop.errors import EngineError
-from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
+from omniloop.inference.base import Engine, EngineMedia, GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -85,16 +85,25 @@ class EngineRouter:
         """The `Engine` of session `key`: its requests stay on one engine while it can."""
         return _Session(self, key)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        media: Sequence[EngineMedia] = (),
+    ) -> GenerateOutput:
         """A request of no session: to the least loaded engine."""
-        return await self.generate_for(None, input_ids, sampling)
+        return await self.generate_for(None, input_ids, sampling, media)
 
     def engine_of(self, key: str) -> str | None:
         """The URL of the engine session `key` is on, if any."""
         return self._sessions.get(key)
 
     async def generate_for(
-        self, key: str | None, input_ids: list[int], sampling: SamplingParams
+        self,
+        key: str | None,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        media: Sequence[EngineMedia] = (),
     ) -> GenerateOutput:
         """Sample on session `key`'s engine (or the least loaded one); module docstring."""
         deadline = time.monotonic() + self._wait_s
@@ -104,7 +113,7 @@ class EngineRouter:
             if url is not None:
                 self._in_flight[url] = self._in_flight.get(url, 0) + 1
                 try:
-                    return await self._client(url).generate(input_ids, sampling)
+                    return await self._client(url).generate(input_ids, sampling, media)
                 except EngineError as err:
                     if not unreachable(err):
                         raise
@@ -190,8 +199,13 @@ class _Session:
         self._router = router
         self._key = key
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
-        return await self._router.generate_for(self._key, input_ids, sampling)
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        media: Sequence[EngineMedia] = (),
+    ) -> GenerateOutput:
+        return await self._router.generate_for(self._key, input_ids, sampling, media)
 
 
 @runtime_checkable

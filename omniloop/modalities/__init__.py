@@ -9,7 +9,7 @@ family's inputs and placeholder tokens.
 """
 
 from omniloop.modalities.config import MediaConfig
-from omniloop.modalities.media import Media, MediaKind, MediaStore, read_source
+from omniloop.modalities.media import Media, MediaKind, MediaPlacement, MediaStore, read_source
 from omniloop.modalities.processing import (
     MediaProcessor,
     MediaTokens,
@@ -21,6 +21,7 @@ __all__ = [
     "Media",
     "MediaConfig",
     "MediaKind",
+    "MediaPlacement",
     "MediaProcessor",
     "MediaStore",
     "MediaTokens",

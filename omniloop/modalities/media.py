@@ -79,6 +79,22 @@ class Media(BaseModel):
         return f"{self.kind}:{self.sha256[:12]}"
 
 
+class MediaPlacement(Media):
+    """A media item where it sits in a trajectory: what `Trajectory.multimodal` holds (as
+    dicts), ordered by `offset`."""
+
+    offset: int
+    """Index in `input_ids` of the item's first placeholder token (its begin marker is just
+    before, its end marker just after the last one)."""
+    tokens: int
+    """Placeholder tokens standing for the item."""
+
+    @property
+    def media(self) -> Media:
+        """The reference alone (without its placement)."""
+        return Media(kind=self.kind, sha256=self.sha256, size=self.size, format=self.format)
+
+
 class MediaStore:
     """Media bytes in a folder, each stored once under its SHA-256.
 

@@ -34,14 +34,14 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.errors import ConfigError
-from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
+from omniloop.inference.base import Engine, EngineMedia, GenerateOutput, SamplingParams
 from omniloop.platform.api.events import EpisodeSignals
 from omniloop.platform.api.metrics import ApiMetrics
 from omniloop.platform.api.schemas import MAX_TURNS_FIELD
@@ -161,8 +161,13 @@ class _TurnReporter:
         self._episode_id = episode_id
         self._turn = 0
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> GenerateOutput:
-        out = await self._engine.generate(input_ids, sampling)
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        media: Sequence[EngineMedia] = (),
+    ) -> GenerateOutput:
+        out = await self._engine.generate(input_ids, sampling, media)
         data = {
             "turn": self._turn,
             "prompt_tokens": len(input_ids),
