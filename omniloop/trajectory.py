@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omniloop.modalities.media import MediaData
+
 StopReason = Literal[
     "stop",
     "length",
@@ -24,12 +26,14 @@ StopReason = Literal[
     "reward_error",
     "cancelled",
     "engine_error",
+    "media_error",
 ]
-"""Why an episode ended. The last four (`INFRA_STOP_REASONS`) are infrastructure outcomes: such
-trajectories are recorded but never trained as a zero reward."""
+"""Why an episode ended. The last five (`INFRA_STOP_REASONS`) are failures of the
+infrastructure or of the task's input (`media_error`: a prompt's image, audio or video cannot
+be used): such trajectories are recorded but never trained as a zero reward."""
 
 INFRA_STOP_REASONS: frozenset[str] = frozenset(
-    {"sandbox_error", "reward_error", "cancelled", "engine_error"}
+    {"sandbox_error", "reward_error", "cancelled", "engine_error", "media_error"}
 )
 
 
@@ -83,6 +87,10 @@ class ToolCallRecord(BaseModel):
     (lone surrogates, e.g. from undecodable bytes or file names, and NUL)."""
     truncated_chars: int = 0
     """Characters cut from the middle of an output longer than the toolset's cap."""
+    media: list[MediaData] = Field(default_factory=list, exclude=True, repr=False)
+    """Images, audio clips or videos the tool returned with its text (`ToolResult.media`),
+    shown to the model after the text. Not serialised: the trajectory keeps them by
+    reference (`Trajectory.multimodal`), the bytes live in the run's media store."""
 
 
 class TurnRecord(BaseModel):
@@ -226,6 +234,18 @@ class TrajectoryBuilder:
         self.loss_mask.extend([1] * len(ids))
         self.rollout_logprobs.extend(logprobs)
         self.weight_version.extend(versions)
+
+    def replace_sampled(self, index: int, token_id: int) -> None:
+        """Put `token_id` in place of the sampled token at `index`, out of the loss (mask 0, no
+        logprob, no version): for a sampled id that cannot stand in the sequence as it is (a
+        media placeholder with no media behind it). The replacement was not sampled, so it is
+        not trained."""
+        if not self.loss_mask[index]:
+            raise ValueError(f"token {index} was not sampled")
+        self.input_ids[index] = token_id
+        self.loss_mask[index] = 0
+        self.rollout_logprobs[index] = 0.0
+        self.weight_version[index] = -1
 
     def add_observation(self, ids: list[int]) -> None:
         """Append tokens the policy did not sample (mask 0): tool output, template glue."""

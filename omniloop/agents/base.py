@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from omniloop.agents.chat import ChatFormat, Message
+from omniloop.agents.media import EpisodeMedia
 from omniloop.inference.base import Engine, SamplingParams
 from omniloop.trajectory import StopReason, TrajectoryBuilder, TurnRecord
 
@@ -92,15 +93,26 @@ class Session:
         sampling: SamplingParams,
         max_turns: int,
         max_context: int,
+        media: EpisodeMedia | None = None,
     ) -> None:
+        """`media` resolves media parts of messages (None: text only, and a media part is a
+        `ConfigError`); an unusable item in `messages` raises `MediaError`."""
         self.engine = engine
         self.chat = chat
         self.sampling = sampling
         self.max_turns = max_turns
         self.max_context = max_context
+        self.media = media
+        if media is not None:
+            messages = media.prepare(messages, strict=True)
         self.messages: list[Message] = [dict(m) for m in messages]
-        self.builder = TrajectoryBuilder(chat.prompt_ids(messages))
+        prompt = chat.prompt_ids(messages)
+        if media is not None:
+            media.place(prompt, 0)
+        self.builder = TrajectoryBuilder(prompt)
         self.turns: list[TurnRecord] = []
+        self.neutralised = 0
+        """Sampled media placeholder ids replaced by a text id (module docstring)."""
         self._closed = True  # whether the last assistant turn ended with its end-of-turn token
 
     @property
@@ -139,10 +151,14 @@ class Session:
             }
         )
         started = time.perf_counter()
-        out = await self.engine.generate(list(self.builder.input_ids), params)
+        if self.media is not None and self.media.items:
+            out = await self.engine.generate(list(self.builder.input_ids), params, self.media.items)
+        else:
+            out = await self.engine.generate(list(self.builder.input_ids), params)
         elapsed = time.perf_counter() - started
         start = len(self.builder)
         self.builder.add_sampled(out.output_ids, out.output_logprobs, out.weight_versions)
+        self._neutralise(start)
         self.turns.append(
             TurnRecord(
                 start=start,
@@ -168,9 +184,13 @@ class Session:
     def add_observation(self, messages: list[Message]) -> None:
         """Append environment messages (tool results, user follow-ups) and the next generation
         prompt. Raises `EpisodeEnd('context_limit')` if they would not leave room to answer."""
+        if self.media is not None:
+            messages = self.media.prepare(messages, strict=False)
         ids = self.chat.observation_ids(messages, closed=self._closed)
         if len(self.builder) + len(ids) >= self.max_context:
             raise EpisodeEnd("context_limit", f"observation of {len(ids)} tokens does not fit")
+        if self.media is not None:
+            self.media.place(ids, len(self.builder))
         self.builder.add_observation(ids)
         if self.turns:
             last = self.turns[-1]
@@ -179,6 +199,27 @@ class Session:
             )
         self.messages.extend(dict(m) for m in messages)
         self._closed = True
+
+    def _neutralise(self, start: int) -> None:
+        """Replace media placeholder ids the model sampled (from `start` on) by the tokenizer's
+        unknown-token id, out of the loss: no media stands behind them, so fed back as they
+        are they would break the next prompt's blocks (the processor counts placeholders), and
+        the replacement was not sampled, so it is not trained."""
+        placeholders = self.media.placeholder_ids() if self.media is not None else frozenset()
+        if not placeholders:
+            return
+        for i in range(start, len(self.builder)):
+            if self.builder.input_ids[i] in placeholders:
+                self.builder.replace_sampled(i, self._neutral_id)
+                self.neutralised += 1
+
+    @property
+    def _neutral_id(self) -> int:
+        tok = self.chat.tokenizer
+        for candidate in (tok.unk_token_id, tok.pad_token_id, tok.eos_token_id):
+            if isinstance(candidate, int):
+                return candidate
+        return 0
 
     def final_response(self) -> str:
         """Text of the last assistant turn ('' if none)."""

@@ -17,6 +17,7 @@ from typing import Any
 from omniloop.agents.base import EpisodeEnd, Session, Task
 from omniloop.agents.chat import Message
 from omniloop.tools import DEFAULT_MAX_OUTPUT_CHARS, Tool, ToolContext, Toolset, parse_tool_calls
+from omniloop.trajectory import ToolCallRecord
 
 
 class ToolAgent:
@@ -77,4 +78,13 @@ class ToolAgent:
             timeouts += sum(r.error == "tool_timeout" for r in results)
             if timeouts >= self.max_tool_timeouts:
                 raise EpisodeEnd("tool_timeout", f"{timeouts} tool calls timed out")
-            session.add_observation([{"role": "tool", "content": r.output} for r in results])
+            session.add_observation([tool_message(r) for r in results])
+
+
+def tool_message(record: ToolCallRecord) -> Message:
+    """The `tool` message of a call's result: its text, then its media as parts."""
+    if not record.media:
+        return {"role": "tool", "content": record.output}
+    parts: list[dict[str, Any]] = [{"type": "text", "text": record.output}]
+    parts += [{"type": item.kind.value, item.kind.value: item} for item in record.media]
+    return {"role": "tool", "content": parts}

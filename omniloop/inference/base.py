@@ -11,7 +11,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omniloop.modalities.media import MediaKind
+from omniloop.modalities.media import MediaData
 
 
 class SamplingParams(BaseModel):
@@ -71,18 +71,6 @@ class GenerateOutput(BaseModel):
         return self
 
 
-class EngineMedia(BaseModel):
-    """One media item of a prompt, as sent to an engine: its kind and encoded bytes (sent as
-    SGLang's `image_data` / `audio_data` / `video_data`, in the order of their placeholder
-    blocks of that kind in `input_ids`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    kind: MediaKind
-    data: bytes
-    """Encoded bytes (PNG, WAV, MP4, ...) exactly as stored; the engine decodes them."""
-
-
 class Engine(Protocol):
     """What rollout code may ask of an engine. `EngineClient` is the implementation."""
 
@@ -90,11 +78,12 @@ class Engine(Protocol):
         self,
         input_ids: list[int],
         sampling: SamplingParams,
-        media: Sequence[EngineMedia] = (),
+        media: Sequence[MediaData] = (),
     ) -> GenerateOutput:
         """Sample a continuation of `input_ids`; raise `EngineError` if the engine fails.
 
         `input_ids` hold every media item's placeholder block already expanded (as many
         placeholder ids as the model's processor makes of the item); `media` are the items,
-        in the order of their blocks."""
+        in the order of their blocks (sent as SGLang's `image_data`, `audio_data`,
+        `video_data`, one list per kind)."""
         ...

@@ -27,7 +27,7 @@ from tenacity import (
 )
 
 from omniloop.errors import EngineError
-from omniloop.inference.base import EngineMedia, GenerateOutput, SamplingParams
+from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.protocol import (
     GenerateResponse,
     ModelInfo,
@@ -36,6 +36,7 @@ from omniloop.inference.protocol import (
     UpdateWeightsFromTcpReqOutput,
     parse_weight_version,
 )
+from omniloop.modalities.media import MediaData
 
 
 class EngineHTTPError(EngineError):
@@ -105,7 +106,7 @@ def parse_generate_output(data: Any) -> GenerateOutput:
     )
 
 
-def media_fields(media: Sequence[EngineMedia]) -> dict[str, list[str]]:
+def media_fields(media: Sequence[MediaData]) -> dict[str, list[str]]:
     """SGLang's `/generate` media fields for `media`: `image_data`, `audio_data`,
     `video_data`, each a list of base64 `data:` URIs in the order given (absent when empty)."""
     fields: dict[str, list[str]] = {}
@@ -190,7 +191,7 @@ class EngineClient:
         self,
         input_ids: list[int],
         sampling: SamplingParams,
-        media: Sequence[EngineMedia] = (),
+        media: Sequence[MediaData] = (),
     ) -> GenerateOutput:
         """Sample a continuation of `input_ids` (see `base.Engine`); `EngineError` on failure.
 

@@ -28,8 +28,9 @@ from typing import Protocol, runtime_checkable
 import httpx
 
 from omniloop.errors import EngineError
-from omniloop.inference.base import Engine, EngineMedia, GenerateOutput, SamplingParams
+from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient
+from omniloop.modalities.media import MediaData
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class EngineRouter:
         self,
         input_ids: list[int],
         sampling: SamplingParams,
-        media: Sequence[EngineMedia] = (),
+        media: Sequence[MediaData] = (),
     ) -> GenerateOutput:
         """A request of no session: to the least loaded engine."""
         return await self.generate_for(None, input_ids, sampling, media)
@@ -103,7 +104,7 @@ class EngineRouter:
         key: str | None,
         input_ids: list[int],
         sampling: SamplingParams,
-        media: Sequence[EngineMedia] = (),
+        media: Sequence[MediaData] = (),
     ) -> GenerateOutput:
         """Sample on session `key`'s engine (or the least loaded one); module docstring."""
         deadline = time.monotonic() + self._wait_s
@@ -203,7 +204,7 @@ class _Session:
         self,
         input_ids: list[int],
         sampling: SamplingParams,
-        media: Sequence[EngineMedia] = (),
+        media: Sequence[MediaData] = (),
     ) -> GenerateOutput:
         return await self._router.generate_for(self._key, input_ids, sampling, media)
 

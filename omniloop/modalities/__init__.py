@@ -9,7 +9,14 @@ family's inputs and placeholder tokens.
 """
 
 from omniloop.modalities.config import MediaConfig
-from omniloop.modalities.media import Media, MediaKind, MediaPlacement, MediaStore, read_source
+from omniloop.modalities.media import (
+    Media,
+    MediaData,
+    MediaKind,
+    MediaPlacement,
+    MediaStore,
+    read_source,
+)
 from omniloop.modalities.processing import (
     MediaProcessor,
     MediaTokens,
@@ -20,6 +27,7 @@ from omniloop.modalities.processing import (
 __all__ = [
     "Media",
     "MediaConfig",
+    "MediaData",
     "MediaKind",
     "MediaPlacement",
     "MediaProcessor",

@@ -79,6 +79,21 @@ class Media(BaseModel):
         return f"{self.kind}:{self.sha256[:12]}"
 
 
+class MediaData(BaseModel):
+    """One media item in hand: its kind and encoded bytes (what a tool returns, what an engine
+    is sent). Not for persisting: trajectories hold `Media` references instead."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: MediaKind
+    """Image, audio or video."""
+    data: bytes
+    """The encoded file (PNG, JPEG, WAV, FLAC, MP4, ...), exactly as stored."""
+
+    def __repr__(self) -> str:
+        return f"MediaData(kind={self.kind.value!r}, {len(self.data)} bytes)"
+
+
 class MediaPlacement(Media):
     """A media item where it sits in a trajectory: what `Trajectory.multimodal` holds (as
     dicts), ordered by `offset`."""

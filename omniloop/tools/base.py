@@ -13,6 +13,11 @@ model can read plus an error code on the `ToolCallRecord`. Only three things pro
 cancellation, `SandboxError` (the sandbox itself is broken: the rollout records the episode as
 `sandbox_error` instead of training on it), and errors that are not `Exception`s.
 
+A tool may also return media: `ToolResult(text, media=[MediaData(kind="image", data=png)])`
+(a crop of an image, a clip cut from a video, a recorded sound). The text is rendered and
+sanitized like any result; the media travel on the `ToolCallRecord` and the session shows them
+to the model after the text, as placeholder blocks of a media-taking model.
+
 Whatever a tool returns is data too: `render_result` turns any return value into text, and
 `sanitize_output` makes every observation text the tokenizer and the stores accept (UTF-8
 without NUL, at most `max_output_chars` characters), counting what it replaced or cut.
@@ -49,6 +54,7 @@ from pydantic.fields import FieldInfo
 from pydantic.json_schema import GenerateJsonSchema
 
 from omniloop.errors import SandboxError, ToolError
+from omniloop.modalities.media import MediaData
 from omniloop.sandboxes.base import ExecResult, Sandbox
 from omniloop.tools.parser import ParsedCall
 from omniloop.trajectory import ToolCallRecord
@@ -98,6 +104,17 @@ _MAX_SHOWN_INPUT = 120
 # they encode and tokenize fine, and real command output uses them (ANSI colours, `\r`
 # progress bars), so the model is shown what the tool printed.
 _UNSAFE_CHARS = re.compile("[\x00\ud800-\udfff]")
+
+
+class ToolResult(BaseModel):
+    """A tool's result with media: text, then images, audio clips or videos shown after it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str = ""
+    """What the tool says (rendered and sanitized like any result)."""
+    media: list[MediaData] = Field(default_factory=list)
+    """The items, in the order they are shown."""
 
 
 class ToolContext:
@@ -159,11 +176,11 @@ class Tool(Protocol):
         """The OpenAI/Qwen function schema: `{"type": "function", "function": {...}}`."""
         ...
 
-    async def call(self, arguments: Mapping[str, Any], ctx: ToolContext) -> str:
+    async def call(self, arguments: Mapping[str, Any], ctx: ToolContext) -> str | ToolResult:
         """Validate the arguments, run the tool, and return what the model is shown.
 
-        A return value that is not a `str` is rendered by `render_result` (JSON, bytes
-        decoded); whatever text comes back is passed through `sanitize_output`.
+        A return value that is not a `str` or a `ToolResult` is rendered by `render_result`
+        (JSON, bytes decoded); whatever text comes back is passed through `sanitize_output`.
         """
         ...
 
@@ -407,8 +424,9 @@ class FunctionTool(Generic[P, R]):
         lines.append(f"Expected: {self.signature_text()}")
         return "\n".join(lines)
 
-    async def call(self, arguments: Mapping[str, Any], ctx: ToolContext) -> str:
-        """Validate `arguments`, run the function (with `ctx` if it asks for it), render."""
+    async def call(self, arguments: Mapping[str, Any], ctx: ToolContext) -> str | ToolResult:
+        """Validate `arguments`, run the function (with `ctx` if it asks for it), render (a
+        `ToolResult` is returned as it is: its text is rendered by the toolset)."""
         kwargs = self.validate(arguments)
         if self._context_param is not None:
             kwargs[self._context_param] = ctx
@@ -419,6 +437,8 @@ class FunctionTool(Generic[P, R]):
             result = await asyncio.to_thread(fn, **kwargs)
             if inspect.isawaitable(result):
                 result = await result
+        if isinstance(result, ToolResult):
+            return result
         return render_result(result)
 
 
@@ -627,6 +647,7 @@ class Toolset:
         """Run one parsed call and record what the model will be shown (see the class doc)."""
         started = time.monotonic()
         code: ToolErrorCode | None = None
+        output: str | ToolResult
         if call.error is not None or call.name is None:
             code = "parse_error"
             output = _error_text(
@@ -639,6 +660,10 @@ class Toolset:
             output = _error_text(f"unknown tool {call.name!r}. Available tools: {available}.")
         else:
             code, output = await self._run(self._tools[call.name], call, ctx)
+        media: list[MediaData] = []
+        if isinstance(output, ToolResult):
+            media = list(output.media)
+            output = output.text
         clean = sanitize_output(output, self.max_output_chars)
         record = ToolCallRecord(
             turn=turn,
@@ -650,6 +675,7 @@ class Toolset:
             duration=time.monotonic() - started,
             sanitized_chars=clean.replaced,
             truncated_chars=clean.truncated,
+            media=media,
         )
         _count(self.metrics, record)
         return record
@@ -666,7 +692,7 @@ class Toolset:
 
     async def _run(
         self, t: Tool, call: ParsedCall, ctx: ToolContext
-    ) -> tuple[ToolErrorCode | None, str]:
+    ) -> tuple[ToolErrorCode | None, str | ToolResult]:
         timeout = t.timeout if t.timeout is not None else self.default_timeout
         arguments = call.arguments if call.arguments is not None else {}
         try:
@@ -674,7 +700,7 @@ class Toolset:
             # apart from the tool running out of time.
             async with asyncio.timeout(timeout) as scope:
                 output = await t.call(arguments, ctx)
-            if not isinstance(output, str):
+            if not isinstance(output, str | ToolResult):
                 # Outside the `Tool` contract (an MCP adapter returning content parts, say),
                 # but still data: shown the way a `@tool` function's return value would be.
                 output = render_result(output)

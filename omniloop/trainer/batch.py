@@ -5,12 +5,19 @@ index `i` belongs to token `i` of `input_ids`, exactly as in `Trajectory` (DESIG
 `rollout_logprobs[b, i]` is the engine's logprob of `input_ids[b, i]`, and so are `advantages`,
 `old_logprobs` and `ref_logprobs` at `[b, i]`. Position 0 has no logprob (nothing precedes it)
 and can never be in the loss mask.
+
+Media: a row that shows the model images, audio or video carries the forward inputs of its items
+(`TrainRow.media_inputs`, as `modalities.concat_inputs` makes them: every tensor's dim 0 counts
+items or patches, in the order the items' placeholder blocks appear in `input_ids`). A batch keeps
+them per row (`TrainBatch.media_inputs`) so that slicing rows keeps them aligned, and
+`TrainBatch.media_kwargs` concatenates them over rows in row order, which is how a Qwen-VL/Omni
+style model takes a batch: it fills the placeholder tokens of the flattened batch in order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +29,14 @@ from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory
 
 Values = float | Sequence[float] | Tensor
 """One number for every token, or one per token."""
+
+MediaInputs = Mapping[str, Tensor]
+"""One row's media forward inputs: name -> tensor whose dim 0 counts items or patches."""
+
+PADDED_MEDIA_KEYS = frozenset({"input_features", "feature_attention_mask"})
+"""Media inputs whose last dim may differ between rows (audio frames, when a processor does not
+pad clips to one length): right-padded with zeros when rows are concatenated, which the zeros
+of `feature_attention_mask` mark as padding."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +55,9 @@ class TrainRow:
     old_logprobs: Values | None = None
     """PPO's pi_old per token; None leaves it to the backend (its own logprobs)."""
     ref_logprobs: Values | None = None
+    media_inputs: MediaInputs | None = None
+    """The forward inputs of the row's media items, concatenated in order
+    (`modalities.concat_inputs`); None for a text-only row."""
 
     @property
     def sampled_versions(self) -> list[int]:
@@ -54,7 +72,9 @@ class TrainBatch:
     """A right-padded batch of sequences with everything the loss needs.
 
     Invariants (checked on construction): all per-token tensors are `(B, T)`; `loss_mask` is 0 on
-    padding and at position 0; `ids` is empty or has `B` entries.
+    padding and at position 0; `ids` is empty or has `B` entries; `media_inputs` is empty or has
+    `B` entries, and is empty whenever no row has media (a tuple of all None is normalized to
+    `()`).
     """
 
     input_ids: Tensor
@@ -76,6 +96,9 @@ class TrainBatch:
     """`(B, T)` int64 weight version that sampled each token, -1 elsewhere (for staleness)."""
     ids: tuple[str, ...] = ()
     """Trajectory ids, one per row (empty when built from raw tensors)."""
+    media_inputs: tuple[MediaInputs | None, ...] = ()
+    """Each row's media forward inputs (None for a text-only row); empty when no row has any.
+    `media_kwargs` gives the forward inputs of the whole batch."""
 
     def __post_init__(self) -> None:
         if self.input_ids.dim() != 2:
@@ -90,6 +113,15 @@ class TrainBatch:
                 )
         if self.ids and len(self.ids) != shape[0]:
             raise ValueError(f"{len(self.ids)} ids for {shape[0]} rows")
+        media = tuple(self.media_inputs)
+        if media and len(media) != shape[0]:
+            raise ValueError(f"{len(media)} media_inputs for {shape[0]} rows")
+        for b, inputs in enumerate(media):
+            if inputs is not None and not all(isinstance(v, Tensor) for v in inputs.values()):
+                raise ValueError(f"{self._row_name(b)}: media_inputs values must be tensors")
+        # Frozen dataclass: normalize through object.__setattr__ so that "no media" has one
+        # spelling, whatever slice of a batch produced it.
+        object.__setattr__(self, "media_inputs", media if any(m is not None for m in media) else ())
         trained = self.loss_mask != 0
         if bool((trained & (self.attention_mask == 0)).any()):
             raise ValueError("loss_mask covers padding")
@@ -99,6 +131,24 @@ class TrainBatch:
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def _row_name(self, row: int) -> str:
+        return f"row {row} ({self.ids[row]})" if self.ids else f"row {row}"
+
+    @property
+    def has_media(self) -> bool:
+        """Whether any row carries media inputs."""
+        return bool(self.media_inputs)
+
+    def media_kwargs(self) -> dict[str, Tensor]:
+        """The media forward inputs of the whole batch: each key concatenated along dim 0 over
+        the rows that have it, in row order (`PADDED_MEDIA_KEYS` right-padded to a common last
+        dim first). Empty when no row has media."""
+        keyed: dict[str, list[Tensor]] = {}
+        for inputs in self.media_inputs:
+            for key, tensor in (inputs or {}).items():
+                keyed.setdefault(key, []).append(tensor)
+        return {key: _concat_rows(key, tensors) for key, tensors in keyed.items()}
+
     @property
     def num_tokens(self) -> int:
         """Loss-masked tokens in the batch."""
@@ -107,7 +157,8 @@ class TrainBatch:
     @classmethod
     def from_rows(cls, rows: Sequence[TrainRow], *, pad_id: int = 0) -> TrainBatch:
         """Pad rows into a batch: the one place a batch is built (`from_trajectories` makes
-        rows of trajectories). `old_logprobs` are taken from the rows when every row has them.
+        rows of trajectories). `old_logprobs` are taken from the rows when every row has them;
+        each row's `media_inputs` go along with it.
         Infrastructure failures are refused: they must be dropped, not trained (DESIGN.md §2).
         """
         if not rows:
@@ -152,16 +203,24 @@ class TrainBatch:
             ref_logprobs=ref,
             weight_version=version,
             ids=tuple(r.id for r in rows),
+            media_inputs=tuple(r.media_inputs for r in rows),
         )
 
     @classmethod
     def for_scoring(
-        cls, sequences: Sequence[Sequence[int] | Tensor], *, pad_id: int = 0
+        cls,
+        sequences: Sequence[Sequence[int] | Tensor],
+        *,
+        pad_id: int = 0,
+        media_inputs: Sequence[MediaInputs | None] | None = None,
     ) -> TrainBatch:
         """Token sequences, right-padded, with nothing to train (zero loss mask, advantages
-        and logprobs): all that scoring them (`logprobs`, a reference's) reads."""
+        and logprobs): all that scoring them (`logprobs`, a reference's) reads. `media_inputs`:
+        one entry per sequence (None for text-only ones), or None when none has media."""
         if not sequences:
             raise ValueError("a batch needs at least one row")
+        if media_inputs is not None and len(media_inputs) != len(sequences):
+            raise ValueError(f"{len(media_inputs)} media_inputs for {len(sequences)} sequences")
         length = max(len(s) for s in sequences)
         ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
         attention = torch.zeros((len(sequences), length), dtype=torch.long)
@@ -169,7 +228,8 @@ class TrainBatch:
             ids[b, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
             attention[b, : len(sequence)] = 1
         zeros = torch.zeros(ids.shape)
-        return cls(ids, attention, zeros, zeros, zeros)
+        media = tuple(media_inputs) if media_inputs is not None else ()
+        return cls(ids, attention, zeros, zeros, zeros, media_inputs=media)
 
     @classmethod
     def from_trajectories(
@@ -180,6 +240,7 @@ class TrainBatch:
         pad_id: int = 0,
         old_logprobs: Sequence[Sequence[float]] | None = None,
         ref_logprobs: Sequence[Sequence[float]] | None = None,
+        media_inputs: Sequence[MediaInputs | None] | None = None,
     ) -> TrainBatch:
         """Pad trajectories into a batch.
 
@@ -187,6 +248,7 @@ class TrainBatch:
         per trajectory with a value per token (e.g. from `gae`), or None for zeros (a batch only
         scored with `logprobs`, never trained). Per-token values are zeroed outside the loss
         mask. `old_logprobs` / `ref_logprobs`: optional per-token lists, same alignment.
+        `media_inputs`: optional, one entry per trajectory (its media's forward inputs, or None).
         Infrastructure failures are refused: they must be dropped, not trained (DESIGN.md §2).
         The padding id is irrelevant to the result (padding is masked and comes after every real
         token, which causal attention never lets a real token see).
@@ -196,7 +258,12 @@ class TrainBatch:
         n = len(trajectories)
         if advantages is not None and len(advantages) != n:
             raise ValueError(f"{len(advantages)} advantages for {n} trajectories")
-        for name, extra in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs)):
+        extras = (
+            ("old_logprobs", old_logprobs),
+            ("ref_logprobs", ref_logprobs),
+            ("media_inputs", media_inputs),
+        )
+        for name, extra in extras:
             if extra is not None and len(extra) != n:
                 raise ValueError(f"{len(extra)} {name} rows for {n} trajectories")
         rows = []
@@ -213,6 +280,7 @@ class TrainBatch:
                     stop_reason=str(traj.meta.stop_reason),
                     old_logprobs=None if old_logprobs is None else old_logprobs[i],
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[i],
+                    media_inputs=None if media_inputs is None else media_inputs[i],
                 )
             )
         return cls.from_rows(rows, pad_id=pad_id)
@@ -222,13 +290,16 @@ class TrainBatch:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def select(self, rows: slice | Sequence[int]) -> TrainBatch:
-        """The given rows, trimmed to their longest sequence (so no column is padding only)."""
+        """The given rows, trimmed to their longest sequence (so no column is padding only),
+        with their ids and media inputs."""
         if isinstance(rows, slice):
             index: slice | Tensor = rows
             ids = self.ids[rows]
+            media = self.media_inputs[rows]
         else:
             index = torch.tensor(list(rows), dtype=torch.long)
             ids = tuple(self.ids[i] for i in rows) if self.ids else ()
+            media = tuple(self.media_inputs[i] for i in rows) if self.media_inputs else ()
         attention = self.attention_mask[index]
         width = int(attention.sum(-1).max()) if attention.shape[0] else 0
         values: dict[str, object] = {}
@@ -236,7 +307,7 @@ class TrainBatch:
             value = getattr(self, field.name)
             if isinstance(value, Tensor):
                 values[field.name] = value[index][:, :width]
-        return self.replace(**values, ids=ids)
+        return self.replace(**values, ids=ids, media_inputs=media)
 
     def split(self, micro_batch_size: int) -> list[TrainBatch]:
         """Consecutive micro-batches of at most `micro_batch_size` rows, each trimmed."""
@@ -248,13 +319,44 @@ class TrainBatch:
         ]
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        """The batch with every tensor on `device`."""
-        moved = {
+        """The batch with every tensor on `device`, media inputs included."""
+        moved: dict[str, object] = {
             f.name: getattr(self, f.name).to(device)
             for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), Tensor)
         }
+        if self.media_inputs:
+            # The rows of a group share their prompt's media tensors: move each tensor once, so
+            # that G rows do not become G copies on the device.
+            done: dict[int, Tensor] = {}
+
+            def move(tensor: Tensor) -> Tensor:
+                if id(tensor) not in done:
+                    done[id(tensor)] = tensor.to(device)
+                return done[id(tensor)]
+
+            moved["media_inputs"] = tuple(
+                None if inputs is None else {k: move(v) for k, v in inputs.items()}
+                for inputs in self.media_inputs
+            )
         return self.replace(**moved)
+
+
+def _concat_rows(key: str, tensors: list[Tensor]) -> Tensor:
+    """`tensors` concatenated along dim 0; for `PADDED_MEDIA_KEYS`, the last dim right-padded
+    with zeros to the longest first."""
+    if len(tensors) == 1:
+        return tensors[0]
+    if key in PADDED_MEDIA_KEYS:
+        width = max(t.shape[-1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in tensors]
+    trailing = {tuple(t.shape[1:]) for t in tensors}
+    if len(trailing) > 1:
+        raise ValueError(
+            f"media input {key!r} has per-item shapes {sorted(trailing)} in different rows; "
+            "they must agree to be batched"
+        )
+    return torch.cat(tensors, dim=0)
 
 
 def _row_values(
@@ -307,17 +409,30 @@ def estimate(rewards: Tensor, groups: Tensor, valid: Tensor, config: AdvantageCo
 
 
 def batch_from_trajectories(
-    trajectories: Sequence[Trajectory], config: AdvantageConfig, *, pad_id: int = 0
+    trajectories: Sequence[Trajectory],
+    config: AdvantageConfig,
+    *,
+    pad_id: int = 0,
+    media_inputs: Sequence[MediaInputs | None] | None = None,
 ) -> tuple[TrainBatch, dict[str, float]]:
     """Advantages, exclusion of infrastructure failures, and padding, in one call.
+
+    `media_inputs`: optional, one entry per trajectory (dropped with it when it is excluded).
 
     Returns the batch of valid trajectories and metrics: `advantage/excluded` (infrastructure
     failures dropped), `advantage/mean`, `advantage/abs_mean`, `advantage/zero_frac` (valid
     samples with advantage 0: their group had one value only), `reward/mean` (valid only).
     Raises `ValueError` when no trajectory is valid.
     """
+    if media_inputs is not None and len(media_inputs) != len(trajectories):
+        raise ValueError(f"{len(media_inputs)} media_inputs for {len(trajectories)} trajectories")
     adv, valid = trajectory_advantages(trajectories, config)
     kept = [t for t, ok in zip(trajectories, valid.tolist(), strict=True) if ok]
+    kept_media = (
+        None
+        if media_inputs is None
+        else [m for m, ok in zip(media_inputs, valid.tolist(), strict=True) if ok]
+    )
     if not kept:
         raise ValueError(f"all {len(trajectories)} trajectories are infrastructure failures")
     kept_adv = adv[valid]
@@ -329,4 +444,7 @@ def batch_from_trajectories(
         "advantage/zero_frac": float((kept_adv == 0).float().mean()),
         "reward/mean": float(rewards.mean()),
     }
-    return TrainBatch.from_trajectories(kept, kept_adv.tolist(), pad_id=pad_id), metrics
+    batch = TrainBatch.from_trajectories(
+        kept, kept_adv.tolist(), pad_id=pad_id, media_inputs=kept_media
+    )
+    return batch, metrics

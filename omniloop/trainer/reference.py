@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
-from omniloop.trainer.torch_backend import Scorer, default_device
+from omniloop.trainer.torch_backend import Scorer, default_device, load_hf_model
 
 
 class ReferencePolicy(Protocol):
@@ -31,18 +31,16 @@ class ReferencePolicy(Protocol):
 
 
 class TorchReference:
-    """`ReferencePolicy` over a Hugging Face causal LM, scored like `TorchTrainerBackend`
-    scores (same dtype, device and micro-batching, from the same `TrainerConfig`), so its
-    logprobs equal the backend's `ref_logprobs` for the same base model."""
+    """`ReferencePolicy` over a Hugging Face model (`load_hf_model`: a causal LM or a multimodal
+    conditional-generation model, media inputs scored with their rows), scored like
+    `TorchTrainerBackend` scores (same dtype, device and micro-batching, from the same
+    `TrainerConfig`), so its logprobs equal the backend's `ref_logprobs` for the same base
+    model."""
 
     def __init__(self, model: str | Path, config: TrainerConfig | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config or TrainerConfig()
         device = torch.device(self.config.device) if self.config.device else default_device()
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            resolve_model(str(model)), dtype=torch.float32
-        )
+        hf_model = load_hf_model(resolve_model(str(model)))
         self.model: nn.Module = nn.Module.to(hf_model, device).eval().requires_grad_(False)
         self._scorer = Scorer(self.config, device)
 

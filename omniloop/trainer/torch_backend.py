@@ -1,4 +1,5 @@
-"""`TorchTrainerBackend`: a Hugging Face causal LM trained with plain PyTorch (CPU or one GPU).
+"""`TorchTrainerBackend`: a Hugging Face causal LM or multimodal conditional-generation model
+(e.g. the Qwen2.5-Omni thinker) trained with plain PyTorch (CPU or one GPU).
 
 Logprob alignment — where loss-mask bugs live. A causal LM's logits at position `j` are the
 distribution of token `j + 1`. The backend shifts them so that every per-token tensor is indexed
@@ -15,6 +16,14 @@ rule (`entropy[b, i]` is the entropy of the distribution that token `i` was draw
 Batches are right-padded. With causal attention, a real token never attends to a later padding
 token, so a sequence's logprobs do not depend on what it is batched with (up to kernel
 rounding); position ids start at 0 for every row.
+
+Media (`TrainBatch.media_inputs`): a multimodal model gets the batch's media forward inputs
+(`TrainBatch.media_kwargs`, each key concatenated over rows in row order) beside `input_ids` and
+`attention_mask`, and computes its own positions from them (3-D mRoPE for Qwen-Omni: from the
+real tokens of each row, found by `attention_mask`, and the grids of the row's items), so right
+padding leaves a row's logprobs as they are when it is scored alone. Before a forward, each row's
+placeholder tokens are counted against its media inputs (`check_media`): a mismatch is an error
+naming the row, never a silent misplacement of features.
 
 Precision: weights and AdamW state are fp32. `dtype=bf16` runs forward and backward under
 `torch.autocast(bfloat16)` (CPU and CUDA); logprobs, entropy and the loss are always computed in
@@ -36,7 +45,8 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +54,7 @@ import safetensors.torch
 import torch
 from torch import Tensor, nn
 
+from omniloop.errors import ConfigError
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
@@ -83,6 +94,141 @@ def at_tokens(values: Tensor, rows: Tensor, positions: Tensor, shape: torch.Size
     return out.index_put((rows, positions), values.float())
 
 
+def load_hf_model(path: str | Path) -> nn.Module:
+    """The fp32 Hugging Face model of a model folder, in train mode.
+
+    A causal LM loads with `AutoModelForCausalLM`; a model whose config is not a causal LM's
+    (the Qwen2.5-Omni thinker, vision-language models) with the multimodal auto classes, which
+    give its conditional-generation class: the one whose forward takes `pixel_values`,
+    `input_features`, ... and returns logits. Raises ConfigError for any other model.
+    """
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForMultimodalLM,
+    )
+
+    config = AutoConfig.from_pretrained(path)
+    for auto in (AutoModelForCausalLM, AutoModelForMultimodalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            model: nn.Module = auto.from_pretrained(path, dtype=torch.float32)
+            return model.train()
+    raise ConfigError(
+        f"model {str(path)!r} ({config.model_type!r}) is neither a causal LM nor a multimodal "
+        "conditional-generation model; the trainer cannot train it"
+    )
+
+
+@dataclass(frozen=True)
+class MediaLayout:
+    """How a multimodal model marks media in its token stream: the placeholder id of each
+    modality, and how many placeholders one row's media inputs stand for (Qwen-VL / Omni
+    conventions: `grid_thw.prod() / merge²` per image or video, the audio tower's output length
+    per clip)."""
+
+    token_ids: dict[str, int]
+    """Modality (`image`, `video`, `audio`) -> placeholder token id."""
+    merge_size: int | None
+    audio_lengths: Callable[[Tensor], Any] | None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> MediaLayout | None:
+        """The layout of `model`, or None for a model that takes no media."""
+        config = getattr(model, "config", None)
+        token_ids: dict[str, int] = {}
+        for kind in ("image", "video", "audio"):
+            value = getattr(config, f"{kind}_token_id", None)
+            if value is None:
+                value = getattr(config, f"{kind}_token_index", None)
+            if isinstance(value, int):
+                token_ids[kind] = value
+        if not token_ids:
+            return None
+        merge = getattr(getattr(config, "vision_config", None), "spatial_merge_size", None)
+        tower = getattr(getattr(model, "base_model", None), "audio_tower", None)
+        lengths = getattr(tower, "_get_feat_extract_output_lengths", None)
+        return cls(token_ids, merge if isinstance(merge, int) else None, lengths)
+
+    def expected(self, inputs: Mapping[str, Tensor]) -> dict[str, int | None]:
+        """Placeholders per modality that one row's media inputs fill (None: not computable
+        for this model, left to the model's own check)."""
+        out: dict[str, int | None] = {}
+        for kind, grid_key, values_key in (
+            ("image", "image_grid_thw", "pixel_values"),
+            ("video", "video_grid_thw", "pixel_values_videos"),
+        ):
+            if grid_key in inputs and self.merge_size:
+                out[kind] = int(inputs[grid_key].prod(-1).sum()) // self.merge_size**2
+            else:
+                out[kind] = None if values_key in inputs else 0
+        if "feature_attention_mask" in inputs and self.audio_lengths is not None:
+            lengths = self.audio_lengths(inputs["feature_attention_mask"].sum(-1))
+            # Qwen2.5-Omni returns (after the convolutions, after the pooling): the tokens are
+            # the last.
+            tokens = lengths[-1] if isinstance(lengths, tuple) else lengths
+            out["audio"] = int(tokens.sum())
+        else:
+            out["audio"] = None if "input_features" in inputs else 0
+        return out
+
+
+def check_media(model: nn.Module, batch: TrainBatch) -> None:
+    """Raise ValueError naming the row when a row's placeholder tokens do not match its media
+    inputs (counted over its real tokens), or when rows carry media and `model` takes none.
+
+    The model itself would fail deep inside its forward with a batch-level message, or, for
+    audio features in excess, fill the placeholders silently with the wrong clips.
+    """
+    layout = MediaLayout.of(model)
+    if layout is None:
+        if batch.has_media:
+            rows = [i for i, m in enumerate(batch.media_inputs) if m is not None]
+            raise ValueError(
+                f"{_rows_name(batch, rows)} carry media_inputs, but the model "
+                f"({type(model).__name__}) takes no media"
+            )
+        return
+    real = batch.attention_mask != 0
+    counts = {
+        kind: ((batch.input_ids == token) & real).sum(-1).tolist()
+        for kind, token in layout.token_ids.items()
+    }
+    for row in range(len(batch)):
+        inputs = batch.media_inputs[row] if batch.media_inputs else None
+        expected = layout.expected(inputs or {})
+        for kind, row_counts in counts.items():
+            want = expected.get(kind)
+            if want is not None and row_counts[row] != want:
+                raise ValueError(
+                    f"{_rows_name(batch, [row])}: {row_counts[row]} {kind} placeholder tokens "
+                    f"in input_ids, but its media_inputs fill {want}"
+                )
+
+
+def _rows_name(batch: TrainBatch, rows: list[int]) -> str:
+    """`row 3 (traj-id)` / `rows 0, 1 (a, b)` for error messages."""
+    label = "row" if len(rows) == 1 else "rows"
+    listed = ", ".join(str(r) for r in rows)
+    if batch.ids:
+        return f"{label} {listed} ({', '.join(batch.ids[r] for r in rows)})"
+    return f"{label} {listed}"
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The module whose `last_hidden_state` the output layer projects to logits, taking the
+    same inputs as `model`: its base model. For a causal LM that is `get_decoder()`; for a
+    conditional-generation model `get_decoder()` is the text-only language model, while the base
+    model (e.g. `Qwen2_5OmniThinkerModel`) is the one that consumes the media inputs and computes
+    the 3-D positions."""
+    base = getattr(model, "base_model", None)
+    if isinstance(base, nn.Module) and base is not model:
+        return base
+    hf: Any = model
+    decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
+    return decoder if isinstance(decoder, nn.Module) else None
+
+
 class Scorer:
     """Forward passes under a trainer config: autocast per `dtype`, logprobs scored in
     micro-batches of `micro_batch_size` (the policy's and the reference's alike)."""
@@ -96,13 +242,26 @@ class Scorer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _forward(self, module: nn.Module, batch: TrainBatch) -> Any:
+        """`module` run on `batch`'s ids, attention mask and media inputs, under autocast. A
+        ValueError of the model (e.g. features that do not fit the placeholders) is raised again
+        naming the rows of `batch`."""
+        try:
+            with self._autocast():
+                return module(
+                    input_ids=batch.input_ids,
+                    attention_mask=batch.attention_mask,
+                    use_cache=False,
+                    **batch.media_kwargs(),
+                )
+        except ValueError as exc:
+            raise ValueError(
+                f"{_rows_name(batch, list(range(len(batch))))}: the model refused the batch: {exc}"
+            ) from exc
+
     def logits(self, model: nn.Module, batch: TrainBatch) -> Tensor:
-        """`(B, T, V)` logits of `model` for `batch` (on the batch's device)."""
-        with self._autocast():
-            out = model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            )
-        logits: Tensor = out.logits
+        """`(B, T, V)` logits of `model` for `batch` (on the batch's device), media included."""
+        logits: Tensor = self._forward(model, batch).logits
         return logits
 
     def token_logits(
@@ -116,24 +275,28 @@ class Scorer:
         logits are most of a step's compute and memory: the toy task's steps allocated 2 GB of
         logits and their gradients, page-faulted in afresh every step. Models whose output is
         more than a projection of the decoder's last hidden state (logit soft-capping) run
-        whole and are sliced.
+        whole and are sliced. The decoder is the base model (`_decoder`), which takes the media
+        inputs as the whole model does.
         """
         hf: Any = model
-        decoder = hf.get_decoder() if hasattr(hf, "get_decoder") else None
+        decoder = _decoder(model)
         head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
         softcap = getattr(getattr(hf, "config", None), "final_logit_softcapping", None)
-        if not isinstance(decoder, nn.Module) or not isinstance(head, nn.Linear) or softcap:
+        if decoder is None or not isinstance(head, nn.Linear) or softcap:
             return self.logits(model, batch)[rows, positions - 1]
+        hidden: Tensor = self._forward(decoder, batch).last_hidden_state
         with self._autocast():
-            out = decoder(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            )
-            logits: Tensor = head(out.last_hidden_state[rows, positions - 1])
+            logits: Tensor = head(hidden[rows, positions - 1])
         return logits
 
     @torch.no_grad()
     def score(self, model: nn.Module, batch: TrainBatch) -> Tensor:
-        """Per-token logprobs of `batch` under `model`: `(B, T)` fp32 on the CPU, no gradient."""
+        """Per-token logprobs of `batch` under `model`: `(B, T)` fp32 on the CPU, no gradient.
+
+        Raises ValueError naming the row when a row's media inputs do not match its
+        placeholder tokens (`check_media`).
+        """
+        check_media(model, batch)
         was_training = model.training
         model.eval()
         try:
@@ -157,19 +320,19 @@ def default_device() -> torch.device:
 
 
 class TorchTrainerBackend:
-    """A `TrainerBackend` over `AutoModelForCausalLM`: AdamW, grad clipping, micro-batching.
+    """A `TrainerBackend` over a Hugging Face model (`load_hf_model`: a causal LM, or a
+    multimodal conditional-generation model whose rows carry `media_inputs`): AdamW, grad
+    clipping, micro-batching.
 
-    `model` is anything `resolve_model` accepts (`tiny`, `smollm2`, a HF folder). Not thread-safe:
-    one caller drives it.
+    `model` is anything `resolve_model` accepts (`tiny`, `tiny-omni`, `smollm2`, a HF folder).
+    Not thread-safe: one caller drives it.
     """
 
     def __init__(self, model: str | Path, config: TrainerConfig | None = None) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(str(model))
         self.device = torch.device(self.config.device) if self.config.device else default_device()
-        hf_model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        hf_model: Any = load_hf_model(self.model_path)
         if self.config.gradient_checkpointing:
             hf_model.activation_checkpointing_enable({"use_reentrant": False})
         # nn.Module.to directly: transformers' wrapper around `to` confuses type checkers.
@@ -215,7 +378,8 @@ class TorchTrainerBackend:
         aggregation mode. `old_logprobs` default to the current logprobs detached (ratio 1: one
         step per batch); for several steps on one batch, pass `batch.replace(old_logprobs=
         backend.logprobs(batch))`. The gradients of the last step stay on the parameters until
-        the next step.
+        the next step. Rows' media inputs go to the model with them (checked by `check_media`
+        before anything runs).
         """
         cfg = self.config
         started = time.perf_counter()
@@ -227,6 +391,7 @@ class TorchTrainerBackend:
         total_seqs = float(((batch.loss_mask != 0).sum(-1) > 0).sum())
         if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None and self.reference is None:
             raise ValueError("loss.kl_coef > 0 with reference='external' needs batch.ref_logprobs")
+        check_media(self.model, batch)
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -313,7 +478,9 @@ class TorchTrainerBackend:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Parameters and persistent buffers under their HF names; tied tensors once (detached)."""
+        """Parameters and persistent buffers under their in-memory names (`named_parameters()`:
+        what an engine holding the same Hugging Face class loads by name, e.g.
+        `model.visual.…` for the Omni thinker); tied tensors once (detached)."""
         persistent = set(self.model.state_dict().keys())
         for name, param in self.model.named_parameters():
             yield name, param.detach()

@@ -284,7 +284,7 @@ def v1_router() -> APIRouter:
             )
         episode_id = new_episode_id()
         task = body.task.model_dump(mode="json")
-        task["id"] = task["id"] or episode_id
+        task["id"] = task.get("id") or episode_id
         options = {**sampling.model_dump(mode="json"), MAX_TURNS_FIELD: max_turns}
         if idempotency_key is not None:
             if idempotency_key in state.in_flight:

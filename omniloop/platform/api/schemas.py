@@ -20,8 +20,11 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     Tag,
+    model_serializer,
+    model_validator,
 )
 
 from omniloop.platform.api.settings import AGENT_NAME_PATTERN
@@ -98,11 +101,51 @@ def _finite_json(value: Any) -> Any:
 FiniteJson = AfterValidator(_finite_json)
 
 
+class TextPartIn(_Input):
+    """Text inside a message's list of parts."""
+
+    type: Literal["text"]
+    text: Text
+
+
+DataUri = Annotated[str, StringConstraints(pattern=r"^data:[^,]*,")]
+
+
+class MediaPartIn(_Input):
+    """An image, audio clip or video inside a message, inline as a `data:` URI (base64) under
+    the key named by `type`: `{"type": "image", "image": "data:image/png;base64,..."}`. Server
+    file paths and URLs are not accepted; the request body limit bounds the size."""
+
+    type: Literal["image", "audio", "video"]
+    image: DataUri | None = None
+    audio: DataUri | None = None
+    video: DataUri | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_its_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # `{"type": "image", "image": ...}`, without the other kinds' empty keys.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+    @model_validator(mode="after")
+    def _source_under_its_kind(self) -> MediaPartIn:
+        given = [k for k in ("image", "audio", "video") if getattr(self, k) is not None]
+        if given != [self.type]:
+            raise ValueError(
+                f"a {self.type} part carries its data: URI under {self.type!r} and nothing "
+                f"else (got {', '.join(given) or 'none'})"
+            )
+        return self
+
+
+ContentPartIn = Annotated[TextPartIn | MediaPartIn, Field(discriminator="type")]
+
+
 class MessageIn(_Input):
-    """One chat message of a task given as a conversation."""
+    """One chat message of a task given as a conversation: text, or a list of parts (text,
+    images, audio, video)."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: Text
+    content: Text | Annotated[list[ContentPartIn], Field(min_length=1, max_length=MAX_MESSAGES)]
 
 
 class TaskIn(_Input):

@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_va
 
 from omniloop.config import StrictModel
 from omniloop.inference.base import SamplingParams
+from omniloop.modalities.config import MediaConfig
 from omniloop.platform.control.rollout_config import EngineConfig
 from omniloop.sandboxes.config import SandboxConfig
 
@@ -143,6 +144,11 @@ class ApiSettings(StrictModel):
     unbounded. Counting reads at most this many index entries per batch of submissions."""
     max_context: int = Field(default=2048, ge=16)
     """Most tokens in one episode (prompt + all turns)."""
+    media: MediaConfig = Field(default_factory=MediaConfig)
+    """Bounds and sampling rules of images, audio and video in prompts and tool results. A
+    submitted prompt carries media inline only (`data:` URIs), never as a server path."""
+    media_dir: str = "runs/media"
+    """Where the media of submitted episodes are stored, once each by content hash."""
     reward_timeout: float = Field(default=30.0, gt=0)
     """Seconds a reward may take before the episode is marked `reward_error`."""
     poll_interval: float = Field(default=1.0, gt=0)

@@ -36,12 +36,15 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
+from omniloop.agents.media import MediaResolver
 from omniloop.errors import ConfigError
-from omniloop.inference.base import Engine, EngineMedia, GenerateOutput, SamplingParams
+from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
+from omniloop.modalities.media import MediaData
 from omniloop.platform.api.events import EpisodeSignals
 from omniloop.platform.api.metrics import ApiMetrics
 from omniloop.platform.api.schemas import MAX_TURNS_FIELD
@@ -141,6 +144,7 @@ class _Runtime:
     engine: Engine
     chats: dict[str, ChatFormat]
     sandboxes: SandboxProvider
+    media: MediaResolver
 
 
 class _TurnReporter:
@@ -165,7 +169,7 @@ class _TurnReporter:
         self,
         input_ids: list[int],
         sampling: SamplingParams,
-        media: Sequence[EngineMedia] = (),
+        media: Sequence[MediaData] = (),
     ) -> GenerateOutput:
         out = await self._engine.generate(input_ids, sampling, media)
         data = {
@@ -314,11 +318,20 @@ class EpisodeWorker:
 
     @contextlib.asynccontextmanager
     async def _runtime(self) -> AsyncIterator[_Runtime]:
+        from omniloop.agents.media import media_resolver
         from omniloop.inference.client import EngineClient
-        from omniloop.inference.models import load_tokenizer
+        from omniloop.inference.models import load_tokenizer, resolve_model
         from omniloop.platform.control.rollout import engine_url, sandbox_pool
 
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.engine.model)
+        media = await asyncio.to_thread(
+            media_resolver,
+            resolve_model(self.settings.engine.model),
+            tokenizer,
+            self.settings.media,
+            Path(self.settings.media_dir),
+            allow_files=False,
+        )
 
         def chat_formats() -> dict[str, ChatFormat]:
             return {
@@ -333,7 +346,7 @@ class EpisodeWorker:
             sandbox_pool(self.settings.sandbox) as pool,
         ):
             try:
-                yield _Runtime(engine=engine, chats=chats, sandboxes=pool)
+                yield _Runtime(engine=engine, chats=chats, sandboxes=pool, media=media)
             finally:
                 await self._requeue_running()
 
@@ -392,6 +405,7 @@ class EpisodeWorker:
                 sandbox_provider=runtime.sandboxes,
                 rewards=loaded.rewards,
                 settings=episode_settings(record, self.settings),
+                media=runtime.media,
             )
             final = await self.store.finish_episode(episode_id, trajectory)
             self.metrics.finished.labels(final.status).inc()

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from omniloop.agents.base import Agent, Task
+from omniloop.agents.media import absolute_sources
 from omniloop.config import import_object
 from omniloop.errors import ConfigError
 from omniloop.platform.control.episode import EpisodeSettings
@@ -26,9 +27,13 @@ def load_tasks(path: str, limit: int | None = None) -> list[Task]:
         if not line.strip():
             continue
         try:
-            tasks.append(Task.model_validate_json(line))
+            task = Task.model_validate_json(line)
         except ValueError as err:
             raise ConfigError(f"{path}:{number}: not a valid task ({err})") from None
+        if isinstance(task.prompt, list):
+            # Media files named by a task are relative to the task file.
+            task.prompt = absolute_sources(task.prompt, file.resolve().parent)
+        tasks.append(task)
         if limit is not None and len(tasks) >= limit:
             break
     if not tasks:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from omniloop.agents.base import Agent, EpisodeEnd, Session, Task
-from omniloop.agents.chat import ChatFormat
-from omniloop.errors import EngineError, RewardError, RoleLost, SandboxError
+from omniloop.agents.chat import ChatFormat, Message
+from omniloop.agents.media import EpisodeMedia, MediaResolver
+from omniloop.errors import EngineError, MediaError, RewardError, RoleLost, SandboxError
 from omniloop.inference.base import Engine, SamplingParams
 from omniloop.rewards import RewardFn, score
 from omniloop.sandboxes.base import ExecResult, Sandbox
@@ -94,6 +95,30 @@ class EpisodeCancelled(asyncio.CancelledError):
         self.trajectory = trajectory
 
 
+def without_media(messages: Sequence[Message], reason: str) -> list[Message]:
+    """`messages` with every media part replaced by a text part naming `reason`: the record
+    of a prompt whose media could not be used."""
+    out: list[Message] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            content = [
+                p
+                if not isinstance(p, dict) or p.get("type") == "text"
+                else {"type": "text", "text": f"[{p.get('type')} not used: {reason}]"}
+                for p in content
+            ]
+        out.append({**message, "content": content})
+    return out
+
+
+def _media_metrics(session: Session) -> dict[str, float]:
+    metrics = dict(session.media.counts) if session.media is not None else {}
+    if session.neutralised:
+        metrics["media/neutralised_placeholders"] = float(session.neutralised)
+    return metrics
+
+
 def _error(err: BaseException) -> ErrorInfo:
     lost_to = err.failed_role if isinstance(err, RoleLost) else None
     return ErrorInfo(type=type(err).__name__, message=str(err)[:2000], failed_role=lost_to)
@@ -108,24 +133,35 @@ async def run_episode(
     sandbox_provider: SandboxProvider,
     rewards: Sequence[RewardFn],
     settings: EpisodeSettings,
+    media: MediaResolver | None = None,
 ) -> Trajectory:
-    """Run `agent` on `task` and return its scored, token-exact trajectory."""
+    """Run `agent` on `task` and return its scored, token-exact trajectory.
+
+    `media` resolves the media of the task's prompt and of tool results (None: the episode is
+    text only). A prompt whose media cannot be used ends the episode at once as `media_error`
+    (recorded with the prompt's text, the unusable parts named, never trained)."""
     started = time.perf_counter()
-    session = Session(
-        engine,
-        chat,
-        agent.opening(task),
-        sampling=settings.sampling,
-        max_turns=settings.max_turns,
-        max_context=settings.max_context,
-    )
-    sandbox = LazySandbox(sandbox_provider)
-    context = ToolContext(sandbox=sandbox, task=task.model_dump(), episode_id=settings.episode_id)
+    opening = agent.opening(task)
+    episode_media = EpisodeMedia(media) if media is not None else None
     stop: StopReason = "stop"
     error: ErrorInfo | None = None
+    try:
+        session = Session(
+            engine, chat, opening, sampling=settings.sampling, max_turns=settings.max_turns,
+            max_context=settings.max_context, media=episode_media,
+        )  # fmt: skip
+    except MediaError as err:
+        stop, error = "media_error", _error(err)
+        session = Session(
+            engine, chat, without_media(opening, str(err)), sampling=settings.sampling,
+            max_turns=settings.max_turns, max_context=settings.max_context,
+        )  # fmt: skip
+    sandbox = LazySandbox(sandbox_provider)
+    context = ToolContext(sandbox=sandbox, task=task.model_dump(), episode_id=settings.episode_id)
     cancelled: asyncio.CancelledError | None = None
     try:
-        await agent.run(task, session, context)
+        if error is None:
+            await agent.run(task, session, context)
     except EpisodeEnd as end:
         stop = end.reason
     except EngineError as err:
@@ -155,9 +191,10 @@ async def run_episode(
         tool_calls=tool_calls,
         stop_reason=stop,
         error=error,
-        metrics=tool_call_metrics(tool_calls),
+        metrics={**tool_call_metrics(tool_calls), **_media_metrics(session)},
     )
-    trajectory = session.builder.build(meta)
+    placements = session.media.placements if session.media is not None else []
+    trajectory = session.builder.build(meta, [p.model_dump(mode="json") for p in placements])
     reward_seconds = 0.0
     if cancelled is None and not trajectory.is_infra_failure:
         reward_started = time.perf_counter()

@@ -42,6 +42,7 @@ import torch
 
 from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
+from omniloop.agents.media import MediaResolver
 from omniloop.errors import RoleLost
 from omniloop.inference.base import Engine
 from omniloop.inference.router import for_session
@@ -171,8 +172,10 @@ class EpisodeRunner:
         sandboxes: SandboxProvider,
         data: DataPlane,
         store: AsyncStore | None,
+        media: MediaResolver | None = None,
     ) -> None:
         self._config = config
+        self._media = media
         self._tasks = list(tasks)
         self._agent = agent
         self._rewards = list(rewards)
@@ -210,6 +213,7 @@ class EpisodeRunner:
                 sandbox_provider=self._sandboxes,
                 rewards=self._rewards,
                 settings=settings,
+                media=self._media,
             )
         error = trajectory.meta.error
         if error is not None and error.failed_role is not None:

@@ -15,8 +15,9 @@ from typing import Any
 
 from omniloop.agents.base import Task
 from omniloop.agents.chat import ChatFormat
+from omniloop.agents.media import media_resolver
 from omniloop.inference.client import EngineClient
-from omniloop.inference.models import load_tokenizer
+from omniloop.inference.models import load_tokenizer, resolve_model
 from omniloop.platform.control.components import (
     build_agent,
     build_rewards,
@@ -107,6 +108,9 @@ async def run_rollout(config: RolloutConfig) -> list[Trajectory]:
     plan = list(episode_plan(config, tasks))
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
+    media = media_resolver(
+        resolve_model(config.engine.model), tokenizer, config.media, output.parent / "media"
+    )
     limit = asyncio.Semaphore(config.concurrency)
     results: list[Trajectory] = []
 
@@ -126,6 +130,7 @@ async def run_rollout(config: RolloutConfig) -> list[Trajectory]:
                     sandbox_provider=pool,
                     rewards=rewards,
                     settings=settings,
+                    media=media,
                 )
 
         with output.open("w") as stream, progress_bar() as bar:  # noqa: ASYNC230

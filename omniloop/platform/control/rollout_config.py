@@ -9,6 +9,7 @@ from pydantic import Field, ValidationInfo, field_validator
 
 from omniloop.config import StrictModel
 from omniloop.inference.base import SamplingParams
+from omniloop.modalities.config import MediaConfig
 from omniloop.sandboxes.config import SandboxConfig
 
 
@@ -51,6 +52,9 @@ class RolloutConfig(StrictModel):
     """Tool sandboxes."""
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     """Sampling options for every turn."""
+    media: MediaConfig = Field(default_factory=MediaConfig)
+    """Bounds and sampling rules of images, audio and video in prompts and tool results (the
+    engines this config launches use the same, so placeholder counts agree)."""
     max_turns: int = Field(default=8, ge=1)
     """Most assistant turns per episode."""
     max_context: int = Field(default=2048, ge=16)

@@ -158,6 +158,12 @@ def check_tasks(config: RunConfig) -> None:
         raise ConfigError(str(err)) from None
 
 
+def run_media_dir(config: RunConfig) -> Path:
+    """The run's media store (`RUN_DIR/media`): every image, clip and video of its episodes,
+    once each by content hash, where the rollout writes and the actor reads them."""
+    return Path(config.run_dir) / "media"
+
+
 @contextlib.asynccontextmanager
 async def episode_runner(
     config: RunConfig,
@@ -171,8 +177,9 @@ async def episode_runner(
     client, sandboxes (a pool in this process unless `sandboxes` are given), a data-plane
     client and the run store."""
     from omniloop.agents.chat import ChatFormat
+    from omniloop.agents.media import media_resolver
     from omniloop.inference.client import EngineClient
-    from omniloop.inference.models import load_tokenizer
+    from omniloop.inference.models import load_tokenizer, resolve_model
     from omniloop.platform.control.components import build_agent, build_rewards, load_tasks
     from omniloop.platform.control.local import EpisodeRunner
     from omniloop.platform.control.rollout import sandbox_pool
@@ -191,16 +198,20 @@ async def episode_runner(
         stack.callback(data.close)
         store = AsyncStore.open(config.database)
         stack.push_async_callback(store.close)
+        tokenizer = load_tokenizer(config.model)
         yield EpisodeRunner(
             config,
             tasks=load_tasks(config.rollout.tasks, config.rollout.num_tasks),
             agent=agent,
             rewards=build_rewards(config.rollout.rewards) if rewards is None else rewards,
-            chat=ChatFormat(load_tokenizer(config.model), agent.tool_schemas),
+            chat=ChatFormat(tokenizer, agent.tool_schemas),
             engine=engine,
             sandboxes=sandboxes,
             data=data,
             store=store,
+            media=media_resolver(
+                resolve_model(config.model), tokenizer, config.rollout.media, run_media_dir(config)
+            ),
         )
 
 

@@ -117,9 +117,9 @@ class RunSummary(_Record):
     the newest, both included, in step order (every step when there are no more than that).
     Sampled, not averaged: each point is a recorded value."""
     infra_errors: int
-    """Episodes of the run that ended in an infrastructure failure (stop reason
-    `sandbox_error`, `reward_error`, `engine_error` or `cancelled`: those training leaves
-    out, and `episodes/errors` counts)."""
+    """Episodes of the run that ended in an infrastructure or input failure (stop reason
+    `sandbox_error`, `reward_error`, `engine_error`, `media_error` or `cancelled`: those
+    training leaves out, and `episodes/errors` counts)."""
 
 
 class RoleFaults(_Record):

@@ -6,7 +6,7 @@ import { badge, clear, errorBox, fmtNum, fmtTime, h, shortId } from "./dom.js";
 const STATUSES = ["queued", "running", "completed", "failed", "cancelled"];
 const STOP_REASONS = [
   "stop", "length", "max_turns", "context_limit", "tool_timeout",
-  "sandbox_error", "reward_error", "cancelled", "engine_error",
+  "sandbox_error", "reward_error", "cancelled", "engine_error", "media_error",
 ];
 const NUMERIC = new Set(["reward", "turns", "length"]); // right-aligned, like their cells
 const PAGE_SIZE = 50;
