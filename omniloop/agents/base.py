@@ -9,16 +9,18 @@ are enforced here by raising `EpisodeEnd`, which the rollout turns into the stop
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_serializer
 
 from omniloop.agents.chat import ChatFormat, Message
 from omniloop.agents.media import EpisodeMedia
 from omniloop.inference.base import Engine, SamplingParams
+from omniloop.modalities.media import MediaData
 from omniloop.trajectory import StopReason, TrajectoryBuilder, TurnRecord
 
 
@@ -50,6 +52,19 @@ class Task(BaseModel):
     metadata: dict[str, Any] = Field(default_factory=dict)
     """Anything else the agent, tools or rewards need."""
 
+    @field_serializer("prompt")
+    def _media_inline(self, prompt: str | list[dict[str, Any]]) -> Any:
+        # Media given as bytes (or `MediaData`) are written as `data:` URIs, so a task always
+        # dumps to JSON and reads back the same media.
+        if isinstance(prompt, str):
+            return prompt
+        return [
+            {**m, "content": [_inline(p) for p in m["content"]]}
+            if isinstance(m.get("content"), list)
+            else m
+            for m in prompt
+        ]
+
     def messages(self, system_prompt: str | None = None) -> list[Message]:
         """The opening chat messages: an optional system prompt, then the prompt."""
         opening: list[Message] = (
@@ -59,6 +74,19 @@ class Task(BaseModel):
             return [*opening, {"role": "user", "content": self.prompt}]
         has_system = any(m.get("role") == "system" for m in self.prompt)
         return [*([] if has_system else opening), *self.prompt]
+
+
+def _inline(part: Any) -> Any:
+    kind = part.get("type") if isinstance(part, dict) else None
+    source = part.get(kind) if isinstance(kind, str) else None
+    if isinstance(source, MediaData):
+        source = source.data
+    if not isinstance(source, bytes):
+        return part
+    return {
+        **part,
+        kind: "data:application/octet-stream;base64," + base64.b64encode(source).decode(),
+    }
 
 
 class EpisodeEnd(Exception):
