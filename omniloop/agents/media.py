@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,9 +40,15 @@ from omniloop.modalities.media import (
     MediaStore,
     read_source,
 )
-from omniloop.modalities.processing import MediaProcessor, MediaTokens, ProcessedMedia
+from omniloop.modalities.processing import (
+    MediaProcessor,
+    MediaTokens,
+    ProcessedMedia,
+    concat_inputs,
+)
 
 if TYPE_CHECKING:
+    from torch import Tensor
     from transformers import PreTrainedTokenizerBase
 
 KINDS = tuple(kind.value for kind in MediaKind)
@@ -119,6 +125,25 @@ class MediaResolver:
             while len(self._cache) > self._cache_items:
                 self._cache.popitem(last=False)
         return processed
+
+    def model_inputs(self, entries: Sequence[Mapping[str, Any]]) -> dict[str, Tensor] | None:
+        """The forward inputs of a trajectory's media (`Trajectory.multimodal` entries), read
+        from the store and processed as the rollout processed them (cached by hash), in
+        order; None when there are none. `MediaError` if an item is missing or unusable."""
+        if not entries:
+            return None
+        items = []
+        for entry in entries:
+            media = MediaPlacement.model_validate(entry).media
+            processed = self.resolve(media.kind, self.store.read(media))
+            if processed.tokens != entry["tokens"]:
+                raise MediaError(
+                    f"{media.label} makes {processed.tokens} placeholder tokens here but "
+                    f"{entry['tokens']} in the trajectory: the rollout's and the trainer's "
+                    "media settings differ (rollout.media)"
+                )
+            items.append(processed)
+        return concat_inputs(items)
 
 
 @dataclass

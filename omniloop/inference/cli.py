@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
@@ -12,6 +13,7 @@ from omniloop.errors import ConfigError
 
 if TYPE_CHECKING:
     from omniloop.inference.core import EngineServerConfig
+    from omniloop.modalities.config import MediaConfig
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -23,7 +25,9 @@ def engine() -> None:
 
 @app.command()
 def serve(
-    model: str = typer.Option("tiny", help="smollm2, tiny, or a Hugging Face Llama folder."),
+    model: str = typer.Option(
+        "tiny", help="smollm2, tiny, tiny-omni, or a Hugging Face model folder."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
     port: int = typer.Option(30000, help="TCP port; 0 picks a free one."),
     threads: int | None = typer.Option(
@@ -37,6 +41,12 @@ def serve(
     prefix_cache_slots: int = typer.Option(
         32, help="Finished sequences kept for prompts that extend them; 0 turns the cache off."
     ),
+    media: str | None = typer.Option(
+        None,
+        help="The media config (MediaConfig: bounds, frame rate, pixels) as a YAML or JSON "
+        "file, or inline as a JSON object; it must match the one the prompts' placeholder "
+        "blocks were counted with.",
+    ),
     log_level: str = typer.Option("warning", help="uvicorn log level."),
 ) -> None:
     """Serve a model; prints `omniloop engine ready at URL` once it accepts requests."""
@@ -45,6 +55,10 @@ def serve(
     from omniloop.config import format_validation_error
     from omniloop.inference.core import EngineServerConfig
 
+    try:
+        media_config = _read_media(media)
+    except ConfigError as err:
+        raise typer.BadParameter(str(err), param_hint="--media") from None
     try:
         config = EngineServerConfig(
             model=model,
@@ -55,6 +69,7 @@ def serve(
             max_context=max_context,
             prefill_tokens=prefill_tokens,
             prefix_cache_slots=prefix_cache_slots,
+            media=media_config,
         )
     except ValidationError as err:
         raise typer.BadParameter(format_validation_error(EngineServerConfig, err)) from None
@@ -66,6 +81,23 @@ def serve(
         raise typer.Exit(2) from None
 
 
+def _read_media(value: str | None) -> MediaConfig:
+    """`--media`'s `MediaConfig`: inline JSON (`{...}`) or a YAML/JSON file; defaults without."""
+    from pydantic import ValidationError
+
+    from omniloop.config import format_validation_error, load_config
+    from omniloop.modalities.config import MediaConfig
+
+    if value is None:
+        return MediaConfig()
+    if value.lstrip().startswith("{"):
+        try:
+            return MediaConfig.model_validate_json(value)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(MediaConfig, err)) from None
+    return load_config(MediaConfig, Path(value))
+
+
 async def _serve(config: EngineServerConfig, log_level: str) -> None:
     import uvicorn
 
@@ -75,7 +107,7 @@ async def _serve(config: EngineServerConfig, log_level: str) -> None:
     core = build_core(config)
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(core),
+            create_app(core, config.media),
             host=config.host,
             port=config.port,
             log_level=log_level,

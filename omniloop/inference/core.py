@@ -1,11 +1,13 @@
 """The CPU engine's generation core: continuous batching over a slot-based KV cache.
 
-One scheduler thread owns the model, the KV cache and the tokenizer. Each iteration it applies
-control requests (pause, continue, weight updates), admits waiting requests into free slots and
-prefills them in one packed forward, then decodes one token for every active sequence in one
-batched forward. A sequence leaves the batch as soon as it finishes; its slot is refilled by the
-next waiting request on the following iteration. Callers talk to the thread through
-`concurrent.futures.Future`s, so the HTTP server's event loop never runs torch code.
+One scheduler thread owns the model (a `runner.ModelRunner`: the fast Llama forward for Llama
+models, a transformers model's own forward for others, `hf_runner`), its KV cache and the
+tokenizer. Each iteration it applies control requests (pause, continue, weight updates),
+admits waiting requests into free slots and prefills them, then decodes one token for every
+active sequence in one batched forward. A sequence leaves the batch as soon as it finishes;
+its slot is refilled by the next waiting request on the following iteration. Callers talk to
+the thread through `concurrent.futures.Future`s, so the HTTP server's event loop never runs
+torch code.
 
 Contracts:
 - Greedy at temperature 0 (below 1e-6, as SGLang); otherwise temperature, then top-k, then
@@ -31,7 +33,11 @@ Contracts:
   is `partial`; from the first part on nothing is sampled (drained: admission stays closed;
   in place: generation is paused anyway) until the last part sets the version, so no token is
   sampled with a mix of old and new weights.
-- Prefix cache (`prefix_cache.PrefixIndex`): a finished sequence's keys and values are copied
+- Media: a request's `media` (processed items, one per placeholder block of `input_ids`,
+  checked by `validate`) go with its prompt into the prefill; the model's media inputs and
+  3-D positions are the runner's business. A model that takes no media refuses them.
+- Prefix cache (`prefix_cache.PrefixIndex`, Llama runner only: others prefill every prompt
+  whole and report `cached_tokens` 0): a finished sequence's keys and values are copied
   into one of `prefix_cache_slots` retained slots; a request whose prompt extends a retained
   prefix (whole blocks of 16 tokens) copies it back and prefills only the rest, reported as
   `cached_tokens`. A weight update or `flush_cache` empties it. The outputs are those of a full
@@ -40,8 +46,9 @@ Contracts:
 - Weight-update groups (`weight_groups.WeightGroups`): `init_weights_update_group` joins a
   trainer's torch.distributed group and `update_weights_from_distributed` receives one
   broadcast bucket on the calling thread, so generation goes on while the bytes arrive; only
-  the copy into the model waits for the drain. Sampling is `sampling.sample`; the model and
-  its KV cache are `llama`'s, the prefix cache `prefix_cache`'s.
+  the copy into the model waits for the drain. Weights are named as the Hugging Face model's
+  parameters (`RunnerWeights`). Sampling is `sampling.sample`, the prefix cache
+  `prefix_cache`'s.
 
 Not covered: chunked prefill (a prompt is prefilled
 in one forward), preemption, multiple samples per request (`n`), penalties, grammars.
@@ -61,34 +68,44 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import Field
 
-from omniloop.config import StrictModel
 from omniloop.errors import ConfigError, EngineError
-from omniloop.inference.llama import (
-    KVCache,
-    LlamaConfig,
-    LlamaModel,
-    LlamaWeights,
-    load_weights,
-    read_safetensors,
+from omniloop.inference.engine_config import EngineServerConfig
+from omniloop.inference.generation import (
+    FinishType,
+    GenerationRequest,
+    GenerationResult,
+    PauseMode,
+    WeightUpdateResult,
 )
+from omniloop.inference.media_input import check_placeholders
 from omniloop.inference.prefix_cache import PrefixIndex
+from omniloop.inference.runner import ModelRunner, RunnerInfo, RunnerWeights, load_runner
 from omniloop.inference.sampling import GREEDY_EPS, sample
 from omniloop.inference.weight_groups import WeightGroups, WeightSpec
+from omniloop.modalities import MediaKind, MediaTokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from omniloop.modalities import ProcessedMedia
+
+__all__ = [
+    "EngineCore",
+    "EngineServerConfig",
+    "FinishType",
+    "GenerationRequest",
+    "GenerationResult",
+    "PauseMode",
+    "WeightUpdateResult",
+    "available_cores",
+    "build_core",
+]
+
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-PauseMode = Literal["abort", "retract", "in_place"]
-FinishType = Literal["stop", "length", "abort"]
 
 
 def available_cores() -> int:
@@ -97,95 +114,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
-
-
-class EngineServerConfig(StrictModel):
-    """How to run omniloop's CPU engine (`omniloop engine serve`)."""
-
-    model: str = "tiny"
-    """`smollm2`, `tiny`, or a path to a Hugging Face Llama folder with safetensors."""
-    host: str = "127.0.0.1"
-    """Interface the HTTP server binds."""
-    port: int = Field(default=30000, ge=0, le=65535)
-    """TCP port of the HTTP server; 0 picks a free one (the ready line prints it)."""
-    threads: int | None = Field(default=None, ge=1)
-    """torch intra-op threads for the forward passes; None uses every core of the affinity mask."""
-    max_batch: int = Field(default=32, ge=1)
-    """Most sequences decoded together (KV cache slots)."""
-    max_context: int | None = Field(default=None, ge=2)
-    """Most tokens per sequence, prompt included; None: the model's limit, capped at 4096."""
-    prefill_tokens: int = Field(default=2048, ge=1)
-    """Most prompt tokens packed into one prefill forward (a longer prompt runs alone)."""
-    prefix_cache_slots: int = Field(default=32, ge=0)
-    """Finished sequences whose keys and values are kept for prompts that extend them (the
-    next turn of an episode); 0 turns the prefix cache off. Memory is committed only as
-    slots fill: up to this many times `max_context` positions of keys and values."""
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt to complete. Field meanings follow SGLang's `sampling_params`."""
-
-    input_ids: list[int]
-    rid: str = ""
-    max_new_tokens: int | None = 128
-    """None: until a stop condition or the context is full."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    """-1 (or 0) keeps the whole vocabulary."""
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    seed: int | None = None
-    """Seed of this request's sampling generator; None draws a random one."""
-    skip_special_tokens: bool = True
-    """Only for `GenerationResult.text`."""
-    no_stop_trim: bool = False
-    """Keep a matched stop string at the end of `GenerationResult.text`."""
-    token_texts: bool = False
-    """Also decode each output token on its own (`GenerationResult.token_texts`)."""
-
-
-@dataclass(frozen=True)
-class GenerationResult:
-    """What came of one `GenerationRequest`."""
-
-    rid: str
-    output_ids: list[int]
-    """Sampled ids, verbatim, including a matched stop or EOS token."""
-    output_logprobs: list[float]
-    """Raw-distribution logprob of each sampled id (see the module docstring)."""
-    finish_type: FinishType
-    matched: int | str | None
-    """The stop token id or stop string for `stop`; None otherwise."""
-    finish_message: str | None
-    """Why a request was aborted."""
-    prompt_tokens: int
-    weight_version: int
-    """The version of the weights that sampled the first output token (the one the request was
-    admitted under)."""
-    output_versions: list[int]
-    """The version of the weights that sampled each output token: an update applied in place
-    changes it mid-response."""
-    cached_tokens: int
-    """Prompt tokens whose keys and values came from the prefix cache instead of a prefill."""
-    text: str
-    """The output decoded (special tokens per the request; a matched stop string trimmed)."""
-    token_texts: list[str] | None
-    e2e_latency: float
-    """Seconds from submission to the result."""
-
-
-@dataclass(frozen=True)
-class WeightUpdateResult:
-    """Outcome of a weight update applied by the scheduler."""
-
-    weight_version: int
-    num_aborted: int
-    """Requests aborted because the update asked for `abort_all_requests`."""
-    num_waiting: int
-    """Requests that were held in the queue while the weights changed."""
 
 
 @dataclass
@@ -222,8 +150,15 @@ def _resolve(future: concurrent.futures.Future[GenerationResult], result: Genera
         future.set_result(result)
 
 
+def _token_ids(tokens: MediaTokens) -> tuple[int, ...]:
+    return (
+        tokens.image, tokens.audio, tokens.video, tokens.vision_bos, tokens.vision_eos,
+        tokens.audio_bos, tokens.audio_eos,
+    )  # fmt: skip
+
+
 class EngineCore:
-    """A Llama model behind a continuous-batching scheduler thread.
+    """A model (its `ModelRunner`) behind a continuous-batching scheduler thread.
 
     Thread-safe: `submit`, `pause`, `resume`, `update_weights` and `shutdown` may be called
     from any thread; all torch work happens on the scheduler thread started by `start`.
@@ -240,27 +175,43 @@ class EngineCore:
         prefix_cache_slots: int = 32,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ) -> None:
-        """Load the model folder's weights and tokenizer; see `EngineServerConfig` for the knobs.
+        """Load the model folder's weights (`runner.load_runner` picks the runner) and
+        tokenizer; see `EngineServerConfig` for the knobs.
 
         `max_context` is capped at the model's `max_position_embeddings` (default: that, at
         most 4096). The scheduler thread sets torch's thread count to `threads`, which in
-        torch is process-wide.
+        torch is process-wide. `ConfigError` if the model cannot be served, or takes media
+        and its tokenizer does not name the same media tokens as its config.
         """
         from transformers import AutoTokenizer
 
         self.model_path = Path(model_path)
-        self.config = LlamaConfig.from_folder(self.model_path)
-        limit = self.config.max_position_embeddings
-        self.max_context = min(max_context or min(limit, 4096), limit)
+        self.runner: ModelRunner = load_runner(
+            self.model_path,
+            max_batch=max_batch,
+            max_context=max_context,
+            prefix_cache_slots=prefix_cache_slots,
+        )
+        self.info: RunnerInfo = self.runner.info
+        self.max_context = self.info.max_context
         self.max_batch = max_batch
         self.threads = threads or available_cores()
         self.prefill_tokens = prefill_tokens
-        self.weights: LlamaWeights = load_weights(self.model_path, self.config)
-        self.model = LlamaModel(self.weights, self.max_context)
         # Slots 0..max_batch-1 hold the running sequences (packed), the rest retained prefixes.
-        self.cache = KVCache(self.config, max_batch + prefix_cache_slots, self.max_context)
-        self._prefixes = PrefixIndex(range(max_batch, max_batch + prefix_cache_slots))
+        retained = prefix_cache_slots if self.info.prefix_cache else 0
+        self._prefixes = PrefixIndex(range(max_batch, max_batch + retained))
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.model_path)
+        self.media_tokens: MediaTokens | None = None
+        """The placeholder ids of a model that takes media (None for a text-only one)."""
+        if self.info.media_kinds:
+            self.media_tokens = MediaTokens.from_tokenizer(self.tokenizer)
+            ids = self.info.media_token_ids
+            if ids and ids != _token_ids(self.media_tokens):
+                raise ConfigError(
+                    f"{self.model_path}: the tokenizer's media tokens "
+                    f"{_token_ids(self.media_tokens)} are not the model config's {ids} "
+                    "(image, audio, video, vision begin/end, audio begin/end)"
+                )
         self._weight_version = 0
         self._cv = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
@@ -298,7 +249,17 @@ class EngineCore:
 
     @property
     def vocab_size(self) -> int:
-        return self.config.vocab_size
+        return self.info.vocab_size
+
+    @property
+    def weights(self) -> RunnerWeights:
+        """The model's weights by Hugging Face name."""
+        return self.runner.weights
+
+    @property
+    def media_kinds(self) -> tuple[MediaKind, ...]:
+        """Media the model takes in its prompt (empty: text only)."""
+        return self.info.media_kinds
 
     @property
     def paused(self) -> bool:
@@ -370,6 +331,20 @@ class EngineCore:
             )
         if req.max_new_tokens is not None and req.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {req.max_new_tokens}")
+        self.validate_media(req.input_ids, req.media)
+
+    def validate_media(self, input_ids: Sequence[int], media: Sequence[ProcessedMedia]) -> None:
+        """Raise `ValueError` unless the model takes `media` and `input_ids` hold exactly
+        their placeholder blocks (`media_input.check_placeholders`)."""
+        kinds = sorted({m.kind.value for m in media if m.kind not in self.info.media_kinds})
+        if kinds:
+            raise ValueError(
+                f"the model served ({', '.join(self.info.architectures)}) takes no "
+                f"{'/'.join(kinds)} input: send input_ids alone, or serve a model that takes "
+                "media (e.g. tiny-omni)"
+            )
+        if self.media_tokens is not None:
+            check_placeholders(input_ids, media, self.media_tokens)
 
     def submit(self, req: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
         """Queue `req` (validated first: `ValueError`); the future resolves to its result.
@@ -508,20 +483,13 @@ class EngineCore:
         abort_all: bool = False,
         keep_pause: bool = False,
     ) -> concurrent.futures.Future[WeightUpdateResult]:
-        """Load a model folder's safetensors (same architecture) as a full weight update.
+        """Load a model folder's weights (same architecture) as a full weight update.
 
         Reads the files on the calling thread, so the scheduler only pauses for the copy.
-        Raises `ConfigError` if the folder's model does not have this model's shapes.
+        Raises `ConfigError` if the folder's model does not have this model's shapes
+        (`ModelRunner.checkpoint`).
         """
-        folder = Path(model_path)
-        other = LlamaConfig.from_folder(folder)
-        if not self.config.same_shapes(other):
-            raise ConfigError(
-                f"{folder} holds a model of another shape than the one served "
-                f"({other} vs {self.config})"
-            )
-        state = read_safetensors(folder)
-        named = [(n, t) for n, t in state.items() if not n.endswith("rotary_emb.inv_freq")]
+        named = self.runner.checkpoint(Path(model_path))
         return self.update_weights(
             named, version=version, abort_all=abort_all, keep_pause=keep_pause, full=True
         )
@@ -711,7 +679,7 @@ class EngineCore:
     def _place(self, seq: _Sequence) -> None:
         """Append `seq` to the active batch; its slot is its index (the batch stays packed)."""
         if seq.slot >= 0 and seq.slot != len(self._active):
-            self.cache.move(seq.slot, len(self._active), seq.cached)
+            self.runner.move(seq.slot, len(self._active), seq.cached)
         seq.slot = len(self._active)
         self._active.append(seq)
 
@@ -719,7 +687,7 @@ class EngineCore:
         """Take the sequence at `index` out, moving the last one into its slot."""
         last = self._active.pop()
         if index < len(self._active):
-            self.cache.move(last.slot, index, last.cached)
+            self.runner.move(last.slot, index, last.cached)
             last.slot = index
             self._active[index] = last
 
@@ -730,13 +698,13 @@ class EngineCore:
             hit = self._prefixes.lookup(seq.req.input_ids)
             if hit is not None:
                 held, seq.prefix_hit = hit
-                self.cache.move(held, slot, seq.prefix_hit)
+                self.runner.move(held, slot, seq.prefix_hit)
                 self.cached_tokens += seq.prefix_hit
-        logits = self.model.prefill(
-            self.cache,
+        logits = self.runner.prefill(
             slots,
             [s.req.input_ids[s.prefix_hit :] for s in seqs],
             offsets=[s.prefix_hit for s in seqs],
+            media=[s.req.media for s in seqs],
         )
         for seq, slot in zip(seqs, slots, strict=True):
             seq.slot = slot
@@ -748,7 +716,7 @@ class EngineCore:
     def _decode_step(self, seqs: list[_Sequence]) -> None:
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long)
         positions = torch.tensor([s.cached for s in seqs], dtype=torch.long)
-        logits = self.model.decode(self.cache, tokens, positions)
+        logits = self.runner.decode(tokens, positions)
         for seq in seqs:
             seq.cached += 1
         self._sample_and_finish(logits, seqs)
@@ -776,12 +744,12 @@ class EngineCore:
         tokens = [*seq.req.input_ids, *seq.output_ids][: seq.cached]
         target = self._prefixes.store(tokens)
         if target is not None:
-            self.cache.move(seq.slot, *target)
+            self.runner.move(seq.slot, *target)
 
     def _check_finish(self, seq: _Sequence) -> tuple[FinishType, int | str | None, None] | None:
         req = seq.req
         token = seq.output_ids[-1]
-        if (not req.ignore_eos and token in self.config.eos_token_ids) or (
+        if (not req.ignore_eos and token in self.info.eos_token_ids) or (
             token in req.stop_token_ids
         ):
             return ("stop", token, None)

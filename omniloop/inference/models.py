@@ -16,7 +16,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omniloop.errors import ConfigError
 
@@ -308,9 +308,19 @@ def load_omni_model(spec: str | Path) -> Qwen2_5OmniThinkerForConditionalGenerat
             f"model {str(spec)!r} is a {model_type!r}, not a {OMNI_THINKER_MODEL_TYPE!r} "
             "(Qwen2.5-Omni thinker) model"
         )
-    model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="sdpa"
+    loaded: Any = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="sdpa", output_loading_info=True
     )
+    model: Qwen2_5OmniThinkerForConditionalGeneration = loaded[0]
+    info: dict[str, Any] = loaded[1]
+    if info["missing_keys"]:
+        # transformers fills missing weights with random values and carries on: a folder
+        # without, say, its vision tower would serve noise for every image.
+        missing = sorted(info["missing_keys"])
+        raise ConfigError(
+            f"model {str(spec)!r} lacks {len(missing)} weights (e.g. {', '.join(missing[:3])}); "
+            "save the whole thinker (save_pretrained) into the folder"
+        )
     return model.eval()
 
 

@@ -8,6 +8,12 @@ Names, defaults and response shapes follow SGLang's `io_struct.py` (`GenerateReq
 
 Where this engine differs, it says so instead of guessing:
 - Tokens in, tokens out: `text` and `input_embeds` prompts are rejected (send `input_ids`).
+- Media (`image_data`, `audio_data`, `video_data`, for a model that takes them) go with
+  `input_ids` used verbatim: each item's placeholder block must already be expanded in them
+  (as many placeholder ids as the engine's processor makes of the item), which SGLang only
+  requires of pre-processed items. Items are `data:` URIs, base64 or file paths; URLs and
+  pre-processed dicts (`format: processor_output`) are rejected. `use_audio_in_video` must be
+  false; `modalities` is accepted and ignored.
 - A field SGLang accepts but this engine does not implement is rejected with 400, unless it is
   sent with its neutral value (`stream: false`, `n: 1`, `repetition_penalty: 1.0`, ...).
 - `weight_version` is a string in SGLang's JSON; here it always holds an integer counter
@@ -35,6 +41,8 @@ from functools import partial
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from omniloop.modalities.media import MediaKind
 
 ENGINE_NAME = "omniloop's CPU engine"
 
@@ -66,9 +74,7 @@ _NEUTRAL_GENERATE: dict[str, Any] = {
     "return_entropy": False,
     "return_prompt_token_ids": False,
     "input_embeds": None,
-    "image_data": None,
-    "video_data": None,
-    "audio_data": None,
+    "use_audio_in_video": False,
     "lora_path": None,
     "custom_logit_processor": None,
     "session_params": None,
@@ -167,6 +173,12 @@ class SamplingParamsInput(_Wire):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
+MediaField = str | list[str | list[str] | None] | None
+"""SGLang's `image_data` / `audio_data` / `video_data`: for one prompt an item or a list of
+items; for a batch an item for every prompt, or a list with an entry (an item, a list of
+items, or null) per prompt. An item is a `data:` URI, base64, or a file path."""
+
+
 class GenerateReqInput(_Wire):
     """Body of `/generate`: one prompt (`input_ids: list[int]`) or a batch (`list[list[int]]`)."""
 
@@ -182,6 +194,15 @@ class GenerateReqInput(_Wire):
     """Fill the text slot of each logprob triple with the token's text."""
     rid: str | list[str] | None = None
     """Request id(s), echoed as `meta_info.id`; a string is suffixed `_i` in a batch."""
+    image_data: MediaField = None
+    """Images of the prompt(s), one per image placeholder block of `input_ids`, in order."""
+    audio_data: MediaField = None
+    """Audio clips of the prompt(s), one per audio placeholder block, in order."""
+    video_data: MediaField = None
+    """Videos of the prompt(s), one per video placeholder block, in order."""
+    modalities: list[str | None] | None = None
+    """SGLang's hint for llava-style models; accepted and not needed (the blocks in
+    `input_ids` say which item is which)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -210,10 +231,25 @@ class GenerateReqInput(_Wire):
                 value = getattr(self, name)
                 if isinstance(value, list) and len(value) != n:
                     raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
+            for kind in MediaKind:
+                value = getattr(self, f"{kind}_data")
+                # An empty list is no media (as SGLang reads it).
+                if isinstance(value, list) and value and len(value) != n:
+                    raise ValueError(
+                        f"{kind}_data has {len(value)} entries for a batch of {n} (one entry "
+                        "per prompt: an item, a list of items, or null)"
+                    )
         else:
             for name in ("sampling_params", "return_logprob", "rid"):
                 if isinstance(getattr(self, name), list):
                     raise ValueError(f"{name} is a list but input_ids is a single prompt")
+            for kind in MediaKind:
+                value = getattr(self, f"{kind}_data")
+                if isinstance(value, list) and any(not isinstance(v, str) for v in value):
+                    raise ValueError(
+                        f"{kind}_data of a single prompt is an item or a list of items "
+                        "(strings), not a list of lists or nulls"
+                    )
         return self
 
     @property
@@ -236,6 +272,24 @@ class GenerateReqInput(_Wire):
     def item_return_logprob(self, i: int) -> bool:
         rl = self.return_logprob
         return bool(rl[i] if isinstance(rl, list) else rl)
+
+    def item_media(self, i: int) -> list[tuple[MediaKind, str]]:
+        """Prompt `i`'s media items: its images, then its audio, then its videos, each kind
+        in the order sent (the order of that kind's blocks in its `input_ids`)."""
+        items: list[tuple[MediaKind, str]] = []
+        for kind in MediaKind:
+            value = getattr(self, f"{kind}_data")
+            if value is None or isinstance(value, str):
+                entry: str | list[str] | None = value  # one item for every prompt
+            elif not self.is_batch:
+                entry = [v for v in value if isinstance(v, str)]
+            else:
+                entry = value[i] if value else None
+            if isinstance(entry, str):
+                items.append((kind, entry))
+            elif entry is not None:
+                items.extend((kind, source) for source in entry)
+        return items
 
     def item_rid(self, i: int, fallback: str) -> str:
         if isinstance(self.rid, list):
@@ -509,6 +563,9 @@ class ModelInfo(BaseModel):
     weight_version: str | int | None = None
     model_type: str | None = None
     architectures: list[str] | None = None
+    modalities: list[str] = Field(default_factory=lambda: ["text"])
+    """What the model takes in its prompt (omniloop's): `text`, and `image`, `audio`, `video`
+    for a model that takes media in `/generate`."""
 
 
 class ErrorResponse(BaseModel):

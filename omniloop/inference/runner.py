@@ -88,6 +88,9 @@ class RunnerInfo:
     """Media the model takes in its prompt; empty for a text-only model."""
     prefix_cache: bool
     """Whether retained slots work (`move` into and out of slots from `max_batch` on)."""
+    media_token_ids: tuple[int, ...] = ()
+    """The ids the model's forward reads as media (image, audio, video placeholders, vision
+    begin and end, audio begin and end), when it takes media: the tokenizer must agree."""
 
 
 class ModelRunner(Protocol):

@@ -1,13 +1,19 @@
 """The CPU engine's HTTP server: SGLang's native endpoints over an `EngineCore`.
 
 Endpoints (methods as SGLang's `http_server.py`):
-- `POST|PUT /generate`: `input_ids` single or batched → one result object or a list.
+- `POST|PUT /generate`: `input_ids` single or batched → one result object or a list. With a
+  model that takes media, SGLang's `image_data`, `audio_data` and `video_data` too: each item
+  is read and processed off the event loop (`media_input.MediaPreparer`, by the model
+  family's processor built from `EngineServerConfig.media`) and must match its placeholder
+  block in `input_ids` (`media_input.check_placeholders`); `input_ids` are never
+  re-tokenized.
 - `GET /health`: 200 while the scheduler runs, 503 otherwise (cheap; no forward pass).
 - `GET /health_generate`: queues a 1-token greedy generation; 200 as soon as it, or any other
   forward pass, completes; 503 if none does within 20 s. While generation is paused, or a
   bucketed weight update is under way, it only checks that the scheduler is alive, since
   nothing is admitted until `/continue_generation` (or the update's last bucket).
-- `GET /get_model_info`, `GET /get_weight_version`.
+- `GET /get_model_info` (with omniloop's `modalities`: `text`, and the media the model takes),
+  `GET /get_weight_version`.
 - `GET|POST /flush_cache`: 200 once the prefix cache is empty.
 - `POST /update_weights_from_disk`: see `EngineCore.update_weights` for the guarantees.
 - `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
@@ -24,8 +30,9 @@ Endpoints (methods as SGLang's `http_server.py`):
   served, prefix-cache hits, running and waiting requests, the weight version.
 
 Validation errors are answered with 400 and SGLang's `ErrorResponse` body, the message naming
-each bad field; a request the engine cannot serve (prompt too long, token id out of range)
-is also a 400.
+each bad field; a request the engine cannot serve (prompt too long, token id out of range,
+media that cannot be decoded, that do not match their placeholder blocks, or sent to a
+text-only model) is also a 400, naming the item (`image 0: ...`; `prompt 2: ...` in a batch).
 """
 
 from __future__ import annotations
@@ -45,6 +52,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omniloop.errors import ConfigError, EngineError
 from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
 from omniloop.inference.engine_metrics import engine_registry
+from omniloop.inference.media_input import (
+    MediaItem,
+    MediaPreparer,
+    check_counts,
+    placeholder_blocks,
+)
 from omniloop.inference.protocol import (
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
@@ -68,6 +81,8 @@ from omniloop.inference.protocol import (
 )
 from omniloop.inference.weight_fetch import WeightFetcher
 from omniloop.inference.weight_groups import FLATTENED_BUCKET, in_daemon_thread
+from omniloop.modalities import MediaConfig, ProcessedMedia
+from omniloop.modalities.families import processor_for
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +101,13 @@ def _success(ok: bool, message: str) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=200 if ok else 400)
 
 
-def _to_request(body: GenerateReqInput, i: int, prompt: list[int]) -> GenerationRequest:
+def _to_request(
+    body: GenerateReqInput, i: int, prompt: list[int], media: tuple[ProcessedMedia, ...]
+) -> GenerationRequest:
     sp = body.item_sampling(i)
     return GenerationRequest(
         input_ids=prompt,
+        media=media,
         rid=body.item_rid(i, uuid.uuid4().hex),
         max_new_tokens=sp.max_new_tokens,
         temperature=sp.temperature,
@@ -136,8 +154,25 @@ def _to_response(result: GenerationResult, return_logprob: bool) -> dict[str, An
     return response.model_dump(exclude_none=True)
 
 
-def create_app(core: EngineCore) -> FastAPI:
-    """The FastAPI app serving `core`; its lifespan starts and stops the scheduler thread."""
+def _media_preparer(core: EngineCore, config: MediaConfig) -> MediaPreparer | None:
+    """The reader and processor of `/generate`'s media; None for a text-only model."""
+    if not core.media_kinds:
+        return None
+    processor = processor_for(core.model_path, config)
+    if processor is None:
+        raise ConfigError(
+            f"{core.model_path}: the model takes {[k.value for k in core.media_kinds]} but "
+            "omniloop has no media processor for its family"
+        )
+    return MediaPreparer(processor, config.max_bytes)
+
+
+def create_app(core: EngineCore, media: MediaConfig | None = None) -> FastAPI:
+    """The FastAPI app serving `core`; its lifespan starts and stops the scheduler thread.
+
+    `media`: how request media are read and processed (default `MediaConfig()`); it must
+    equal the config the prompts' placeholder blocks were counted with."""
+    preparer = _media_preparer(core, media or MediaConfig())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,6 +180,8 @@ def create_app(core: EngineCore) -> FastAPI:
         try:
             yield
         finally:
+            if preparer is not None:
+                preparer.close()
             await asyncio.to_thread(core.shutdown)
 
     app = FastAPI(title="omniloop engine", lifespan=lifespan)
@@ -154,15 +191,42 @@ def create_app(core: EngineCore) -> FastAPI:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(400, format_validation_errors(list(exc.errors())))
 
+    async def prepare_media(
+        prompts: list[list[int]], items: list[list[MediaItem]], where: list[str]
+    ) -> list[tuple[ProcessedMedia, ...]]:
+        """Each prompt's media, processed; `ValueError` (a `MediaError` too) naming the item."""
+        if not any(items):
+            return [()] * len(prompts)
+        if preparer is None or core.media_tokens is None:
+            kinds = "/".join(sorted({kind.value for its in items for kind, _ in its}))
+            raise ValueError(
+                f"the model served ({', '.join(core.info.architectures)}) takes no {kinds} "
+                "input: send input_ids alone, or serve a model that takes media "
+                "(e.g. tiny-omni)"
+            )
+        # Blocks against items first: a mismatch is refused before anything is decoded.
+        for prompt, its, prefix in zip(prompts, items, where, strict=True):
+            blocks = placeholder_blocks(prompt, core.media_tokens)
+            check_counts(blocks, [kind for kind, _ in its], prefix)
+        calls = [preparer.prepare(its, prefix) for its, prefix in zip(items, where, strict=True)]
+        return list(await asyncio.gather(*calls))
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(body: GenerateReqInput) -> Any:
         prompts = body.batch_input_ids()
-        requests = [_to_request(body, i, p) for i, p in enumerate(prompts)]
+        where = [f"prompt {i}: " if body.is_batch else "" for i in range(len(prompts))]
         try:
-            for req in requests:
-                core.validate(req)
+            media = await prepare_media(
+                prompts, [body.item_media(i) for i in range(len(prompts))], where
+            )
         except ValueError as err:
             return _error(400, str(err))
+        requests = [_to_request(body, i, p, media[i]) for i, p in enumerate(prompts)]
+        for req, prefix in zip(requests, where, strict=True):
+            try:
+                core.validate(req)
+            except ValueError as err:
+                return _error(400, f"{prefix}{err}")
         try:
             futures = [asyncio.wrap_future(core.submit(req)) for req in requests]
         except EngineError as err:
@@ -225,8 +289,9 @@ def create_app(core: EngineCore) -> FastAPI:
             is_generation=True,
             preferred_sampling_params=None,
             weight_version=str(core.weight_version),
-            model_type="llama",
-            architectures=["LlamaForCausalLM"],
+            model_type=core.info.model_type,
+            architectures=list(core.info.architectures),
+            modalities=["text", *(kind.value for kind in core.media_kinds)],
         )
         return info.model_dump()
 

@@ -56,10 +56,10 @@ def mp4(frames: Sequence[np.ndarray] | np.ndarray, fps: int = 4) -> bytes:
     return out.getvalue()
 
 
-def moving_square_mp4(
-    frames: int = 8, width: int = 64, height: int = 48, fps: int = 4, step: int = 6
-) -> bytes:
-    """MP4 of a white square moving right by `step` pixels a frame over black."""
+def square_frames(
+    frames: int = 8, width: int = 64, height: int = 48, step: int = 6
+) -> list[np.ndarray]:
+    """RGB frames of a white square moving right by `step` pixels a frame over black."""
     side = min(width, height) // 4
     out = []
     for i in range(frames):
@@ -68,4 +68,11 @@ def moving_square_mp4(
         top = (height - side) // 2
         frame[top : top + side, left : left + side] = 255
         out.append(frame)
-    return mp4(out, fps=fps)
+    return out
+
+
+def moving_square_mp4(
+    frames: int = 8, width: int = 64, height: int = 48, fps: int = 4, step: int = 6
+) -> bytes:
+    """MP4 of a white square moving right by `step` pixels a frame over black."""
+    return mp4(square_frames(frames, width, height, step), fps=fps)

@@ -42,7 +42,10 @@ class TrainerBackend(Protocol):
         ...
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The weights under their Hugging Face checkpoint names, each tied tensor once."""
+        """The weights under the model's in-memory names (`named_parameters()`), each tied
+        tensor once: what an engine holding the same Hugging Face class loads by name. For
+        causal LMs these are the checkpoint names; some families' checkpoints are renamed on
+        load (the Qwen2.5-Omni thinker's `visual.…` is `model.visual.…` in memory)."""
         ...
 
     def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:

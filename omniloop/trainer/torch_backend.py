@@ -95,7 +95,8 @@ def at_tokens(values: Tensor, rows: Tensor, positions: Tensor, shape: torch.Size
 
 
 def load_hf_model(path: str | Path) -> nn.Module:
-    """The fp32 Hugging Face model of a model folder, in train mode.
+    """The fp32 Hugging Face model of a model folder (in eval mode, as `from_pretrained`
+    leaves it).
 
     A causal LM loads with `AutoModelForCausalLM`; a model whose config is not a causal LM's
     (the Qwen2.5-Omni thinker, vision-language models) with the multimodal auto classes, which
@@ -113,7 +114,7 @@ def load_hf_model(path: str | Path) -> nn.Module:
     for auto in (AutoModelForCausalLM, AutoModelForMultimodalLM, AutoModelForImageTextToText):
         if type(config) in auto._model_mapping:
             model: nn.Module = auto.from_pretrained(path, dtype=torch.float32)
-            return model.train()
+            return model
     raise ConfigError(
         f"model {str(path)!r} ({config.model_type!r}) is neither a causal LM nor a multimodal "
         "conditional-generation model; the trainer cannot train it"
@@ -539,7 +540,9 @@ class TorchTrainerBackend:
     def save_hf(self, path: str | Path) -> None:
         """Write a HF model folder (safetensors, config, tokenizer) atomically, fp32 weights.
 
-        An engine loads it with `/update_weights_from_disk`.
+        An engine loads it with `/update_weights_from_disk`. The file holds the checkpoint
+        layout transformers writes (for the Omni thinker, `visual.…` rather than the in-memory
+        `model.visual.…`), which `from_pretrained` maps back.
         """
         from transformers import AutoTokenizer
 

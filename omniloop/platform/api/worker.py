@@ -341,7 +341,7 @@ class EpisodeWorker:
 
         chats = await asyncio.to_thread(chat_formats)
         async with (
-            engine_url(self.settings.engine) as url,
+            engine_url(self.settings.engine, media=self.settings.media) as url,
             EngineClient(url) as engine,
             sandbox_pool(self.settings.sandbox) as pool,
         ):

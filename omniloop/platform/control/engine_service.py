@@ -60,6 +60,7 @@ class EngineServer:
                 threads=settings.threads,
                 log_path=Path(log_dir) / "engine.log",
                 die_with_parent=True,
+                media=config.rollout.media,
             )
             await asyncio.to_thread(wait_healthy, self._url, self._proc, settings.startup_timeout)
         async with EngineClient(self._url) as engine:

@@ -14,16 +14,22 @@ from pathlib import Path
 import httpx
 
 from omniloop.errors import EngineError
+from omniloop.modalities.config import MediaConfig
 from omniloop.processes import die_with_parent as _die_with_parent
 from omniloop.processes import free_port, stop_process
 
 
-def engine_command(model: str, port: int, threads: int | None = None) -> list[str]:
-    """The argv that serves `model` on loopback `port` with this interpreter."""
+def engine_command(
+    model: str, port: int, threads: int | None = None, media: MediaConfig | None = None
+) -> list[str]:
+    """The argv that serves `model` on loopback `port` with this interpreter (with `media`, the
+    media settings the prompts' placeholder blocks are counted with, inline as JSON)."""
     argv = [sys.executable, "-m", "omniloop", "engine", "serve", "--model", model]
     argv += ["--host", "127.0.0.1", "--port", str(port)]
     if threads:
         argv += ["--threads", str(threads)]
+    if media is not None and media != MediaConfig():
+        argv += ["--media", media.model_dump_json()]
     return argv
 
 
@@ -46,6 +52,7 @@ def spawn_engine(
     threads: int | None = None,
     log_path: Path | None = None,
     die_with_parent: bool = False,
+    media: MediaConfig | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start serving `model` in a child process (not yet healthy: see `wait_healthy`).
 
@@ -59,7 +66,7 @@ def spawn_engine(
     preexec = _die_with_parent if die_with_parent else None
     if log_path is None:
         proc = subprocess.Popen(
-            engine_command(model, port, threads),
+            engine_command(model, port, threads, media),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
@@ -68,7 +75,7 @@ def spawn_engine(
     else:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                engine_command(model, port, threads),
+                engine_command(model, port, threads, media),
                 stdout=log,
                 stderr=log,
                 env=env,
@@ -78,10 +85,15 @@ def spawn_engine(
 
 
 def start_engine(
-    model: str, *, threads: int | None = None, log_path: Path | None = None, timeout: float = 180
+    model: str,
+    *,
+    threads: int | None = None,
+    log_path: Path | None = None,
+    timeout: float = 180,
+    media: MediaConfig | None = None,
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start serving `model` in a child process and wait until it is healthy."""
-    proc, url = spawn_engine(model, threads=threads, log_path=log_path)
+    proc, url = spawn_engine(model, threads=threads, log_path=log_path, media=media)
     try:
         wait_healthy(url, proc, timeout)
     except BaseException:
@@ -97,10 +109,16 @@ async def local_engine(
     threads: int | None = None,
     log_path: Path | None = None,
     startup_timeout: float = 180,
+    media: MediaConfig | None = None,
 ) -> AsyncIterator[str]:
     """Serve `model` in a child process for the duration of the block; yields its base URL."""
     proc, url = await asyncio.to_thread(
-        start_engine, model, threads=threads, log_path=log_path, timeout=startup_timeout
+        start_engine,
+        model,
+        threads=threads,
+        log_path=log_path,
+        timeout=startup_timeout,
+        media=media,
     )
     try:
         yield url

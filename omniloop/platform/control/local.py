@@ -77,11 +77,12 @@ TRAIN_FIELDS = (
     "weight_version",
     "prompt_length",
     "advantages",
+    "multimodal",
     "meta",
 )
 """What the actor reads: a row is ready for training once its advantages are written (and its
 `ref_logprobs`, when the reference role writes them: `train_fields`)."""
-REFERENCE_FIELDS = ("input_ids", "meta")
+REFERENCE_FIELDS = ("input_ids", "multimodal", "meta")
 """What the reference stage reads."""
 
 
@@ -370,8 +371,10 @@ class LocalReference:
         micro_batch_size: int,
         read_timeout: float,
         threads: int | None,
+        media: MediaResolver | None = None,
     ) -> None:
         self._data = data
+        self._media = media
         self._policy = policy
         self._micro_batch_size = micro_batch_size
         self._read_timeout = read_timeout
@@ -405,7 +408,10 @@ class LocalReference:
                 ]
                 if trained:
                     started = time.perf_counter()
-                    to_score = TrainBatch.for_scoring([sequences[i] for i in trained])
+                    inputs = await asyncio.to_thread(row_media, batch, self._media)
+                    to_score = TrainBatch.for_scoring(
+                        [sequences[i] for i in trained], media_inputs=[inputs[i] for i in trained]
+                    )
                     logprobs = await self._thread.run(self._policy.logprobs, to_score)
                     busy += time.perf_counter() - started
                     for row, i in enumerate(trained):
@@ -415,9 +421,22 @@ class LocalReference:
         return {"reference/rows": float(scored), "perf/reference_seconds": busy}
 
 
-def train_rows(batch: MicroBatch) -> list[TrainRow]:
+def row_media(batch: MicroBatch, media: MediaResolver | None) -> list[Any]:
+    """Each row's media forward inputs (None for a row without media), from the run's media
+    store through the model's processor, as the rollout prepared them."""
+    entries = batch["multimodal"] if "multimodal" in batch.fields else [[]] * len(batch)
+    if media is None:
+        if any(entries):
+            raise ValueError("rows carry media, but this role was given no media resolver")
+        return [None] * len(batch)
+    return [media.model_inputs(e) for e in entries]
+
+
+def train_rows(batch: MicroBatch, media: MediaResolver | None = None) -> list[TrainRow]:
     """The rows of a micro-batch read with `train_fields`, typed; PPO's pi_old is the policy
-    that sampled each row (its rollout logprobs)."""
+    that sampled each row (its rollout logprobs). Media inputs come from `media` (see
+    `row_media`)."""
+    inputs = row_media(batch, media)
     return [
         TrainRow(
             id=batch.ids[i],
@@ -429,6 +448,7 @@ def train_rows(batch: MicroBatch) -> list[TrainRow]:
             stop_reason=str(batch["meta"][i]["stop_reason"]),
             old_logprobs=batch["rollout_logprobs"][i],
             ref_logprobs=batch["ref_logprobs"][i] if "ref_logprobs" in batch.fields else None,
+            media_inputs=inputs[i],
         )
         for i in range(len(batch))
     ]
@@ -449,8 +469,11 @@ class LocalActor:
         config: RunConfig,
         *,
         lock: asyncio.Lock | None = None,
+        media: MediaResolver | None = None,
     ) -> None:
+        """`media` reads the media of rows that have some (the run's store and processor)."""
         self._backend = backend
+        self._media = media
         # Held around each optimizer step: weights are published only between steps.
         self._lock = lock or asyncio.Lock()
         self._data = data
@@ -489,7 +512,8 @@ class LocalActor:
         )
         async with _closing(stream) as batches:
             async for batch in batches:
-                for row in train_rows(batch):
+                rows = await asyncio.to_thread(train_rows, batch, self._media)
+                for row in rows:
                     if row.stop_reason in INFRA_STOP_REASONS:
                         excluded += 1
                         continue

@@ -18,6 +18,7 @@ from omniloop.agents.chat import ChatFormat
 from omniloop.agents.media import media_resolver
 from omniloop.inference.client import EngineClient
 from omniloop.inference.models import load_tokenizer, resolve_model
+from omniloop.modalities.config import MediaConfig
 from omniloop.platform.control.components import (
     build_agent,
     build_rewards,
@@ -37,14 +38,21 @@ from omniloop.trajectory import Trajectory
 
 
 @contextlib.asynccontextmanager
-async def engine_url(config: EngineConfig, log_dir: Path | None = None) -> AsyncIterator[str]:
-    """The configured engine's URL, starting a local engine for the block if none is given."""
+async def engine_url(
+    config: EngineConfig, log_dir: Path | None = None, media: MediaConfig | None = None
+) -> AsyncIterator[str]:
+    """The configured engine's URL, starting a local engine for the block if none is given
+    (with `media`, the settings the rollout counts placeholder blocks with)."""
     if config.url:
         yield config.url.rstrip("/")
         return
     log = log_dir / "engine.log" if log_dir else None
     async with local_engine(
-        config.model, threads=config.threads, log_path=log, startup_timeout=config.startup_timeout
+        config.model,
+        threads=config.threads,
+        log_path=log,
+        startup_timeout=config.startup_timeout,
+        media=media,
     ) as url:
         yield url
 
@@ -115,7 +123,7 @@ async def run_rollout(config: RolloutConfig) -> list[Trajectory]:
     results: list[Trajectory] = []
 
     async with (
-        engine_url(config.engine, log_dir=output.parent) as url,
+        engine_url(config.engine, log_dir=output.parent, media=config.media) as url,
         EngineClient(url) as engine,
         sandbox_pool(config.sandbox, log_dir=output.parent) as pool,
     ):

@@ -17,6 +17,7 @@ from omniloop.platform.control.record import RunRecord, checkpoints, recorded_ru
 from omniloop.platform.control.run_config import RunConfig, config_yaml
 
 if TYPE_CHECKING:
+    from omniloop.agents.media import MediaResolver
     from omniloop.inference.base import Engine
     from omniloop.platform.control.episode import SandboxProvider
     from omniloop.platform.control.faults import Retry
@@ -105,7 +106,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         else:
             retry = Retry(config.faults, record.timeline, never_retry)
             url = await stack.enter_async_context(
-                engine_url(config.rollout.engine, log_dir=run_dir)
+                engine_url(config.rollout.engine, log_dir=run_dir, media=config.rollout.media)
             )
             roles_cm = local_roles(config, url, plane, record, retry)
         roles = await stack.enter_async_context(roles_cm)
@@ -162,6 +163,20 @@ def run_media_dir(config: RunConfig) -> Path:
     """The run's media store (`RUN_DIR/media`): every image, clip and video of its episodes,
     once each by content hash, where the rollout writes and the actor reads them."""
     return Path(config.run_dir) / "media"
+
+
+def run_media(config: RunConfig) -> MediaResolver:
+    """The run's media resolver: its store (`run_media_dir`), the model's processor and
+    placeholder tokens, the rollout's media settings (trainer and rollout count alike)."""
+    from omniloop.agents.media import media_resolver
+    from omniloop.inference.models import load_tokenizer, resolve_model
+
+    return media_resolver(
+        resolve_model(config.model),
+        load_tokenizer(config.model),
+        config.rollout.media,
+        run_media_dir(config),
+    )
 
 
 @contextlib.asynccontextmanager
@@ -242,7 +257,8 @@ async def actor_roles(
         )
         weights = WeightCoordinator(backend, make_sync, engine_urls)
         stack.push_async_callback(weights.close)
-        actor = LocalActor(backend, data, config, lock=weights.lock)
+        media = await asyncio.to_thread(run_media, config)
+        actor = LocalActor(backend, data, config, lock=weights.lock, media=media)
         stack.callback(actor.close)
         yield actor, weights
 
@@ -298,6 +314,7 @@ async def local_roles(
                 config.trainer.micro_batch_size,
                 config.data_plane.read_timeout,
                 config.trainer_threads,
+                media=await asyncio.to_thread(run_media, config),
             )
             stack.callback(reference.close)
         yield Roles(rollout, advantage, actor, weights, reference=reference)

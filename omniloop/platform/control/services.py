@@ -207,6 +207,7 @@ class ReferenceServer:
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
         enter_run_folder(cwd, paths)
         from omniloop.platform.control.local import LocalReference
+        from omniloop.platform.control.run import run_media
         from omniloop.platform.data import DataPlane
         from omniloop.trainer.reference import TorchReference
 
@@ -219,6 +220,7 @@ class ReferenceServer:
             config.trainer.micro_batch_size,
             config.data_plane.read_timeout,
             config.trainer_threads,
+            media=await asyncio.to_thread(run_media, config),
         )
 
     async def compute(self, step: int) -> dict[str, float]:

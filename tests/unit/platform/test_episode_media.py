@@ -254,6 +254,7 @@ async def test_files_are_refused_where_paths_are_not_allowed(tokenizer, tmp_path
     resolver = media_resolver(
         resolve_model("tiny-omni"), tokenizer, MediaConfig(), tmp_path / "store", allow_files=False
     )
-    message = {"role": "user", "content": [{"type": "image", "image": str(tmp_path / "secret.png")}]}
+    part = {"type": "image", "image": str(tmp_path / "secret.png")}
+    message = {"role": "user", "content": [part]}
     with pytest.raises(MediaError, match="file paths are not accepted"):
         EpisodeMedia(resolver).prepare([message], strict=True)

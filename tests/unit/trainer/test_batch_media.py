@@ -24,7 +24,8 @@ def audio(frames: int, width: int = 10) -> dict[str, Tensor]:
     """Inputs of one clip with `frames` valid feature frames out of `width`."""
     mask = torch.zeros(1, width, dtype=torch.int32)
     mask[0, :frames] = 1
-    return {"input_features": torch.ones(1, 3, width) * mask[:, None], "feature_attention_mask": mask}
+    features = torch.ones(1, 3, width) * mask[:, None]
+    return {"input_features": features, "feature_attention_mask": mask}
 
 
 def row(name: str, length: int, media: dict[str, Tensor] | None = None) -> TrainRow:
