@@ -6,12 +6,15 @@ raised as an `ApiProblem` or a store error and rendered as problem+json by `prob
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path as FilePath
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -56,7 +59,14 @@ from omniloop.platform.api.schemas import (
 )
 from omniloop.platform.api.settings import ApiSettings
 from omniloop.platform.api.worker import RETRY_AFTER_IDLE, EpisodeWorker, LoadedAgent
-from omniloop.platform.store import FAULT_EVENT, AsyncStore, EpisodeStatus, QueueFull, RunStatus
+from omniloop.platform.store import (
+    FAULT_EVENT,
+    AsyncStore,
+    EpisodeRecord,
+    EpisodeStatus,
+    QueueFull,
+    RunStatus,
+)
 
 MAX_METRIC_NAMES = 100
 NO_NUL = r"^[^\x00]*$"
@@ -203,6 +213,56 @@ class _RandomIds:
 new_episode_id = _RandomIds()
 
 
+MEDIA_TYPES: dict[str, str] = {
+    "png": "image/png",
+    "jpeg": "image/jpeg",
+    "gif": "image/gif",
+    "webp": "image/webp",
+    "bmp": "image/bmp",
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "ogg": "audio/ogg",
+    "mp3": "audio/mpeg",
+    "mp4": "video/mp4",
+    "matroska": "video/x-matroska",
+    "avi": "video/x-msvideo",
+}
+"""The Content-Type of each container `modalities.media.sniff_format` names; any other format
+(`unknown`) is sent as `application/octet-stream`."""
+OTHER_MEDIA_TYPE = "application/octet-stream"
+MEDIA_CACHE_CONTROL = "private, max-age=31536000, immutable"
+"""Media are addressed by content hash: what a URL names never changes (private: it may need
+the token)."""
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+async def _episode_media_dir(state: ApiState, record: EpisodeRecord) -> FilePath:
+    """The media store of `record`'s episode: its run's `RUN_DIR/media` (the run's `run_dir`,
+    relative to this process's working directory when relative, as `control.run.run_media_dir`
+    has it), or the server's `media_dir` for an episode submitted over REST."""
+    if record.run_id is None:
+        return FilePath(state.settings.media_dir)
+    run = await state.store.get_run(record.run_id)
+    run_dir = run.config.get("run_dir")
+    if not isinstance(run_dir, str) or not run_dir:
+        raise ApiProblem(
+            404,
+            "media-missing",
+            f"run {run.id!r} has no run_dir in its configuration, so the media store of its "
+            f"episode {record.id!r} is unknown",
+        )
+    return FilePath(run_dir) / "media"
+
+
+def _read_media(path: FilePath) -> tuple[bytes, str] | None:
+    """The bytes at `path` and their SHA-256 (hex); None when there is no such file."""
+    try:
+        data = path.read_bytes()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return data, hashlib.sha256(data).hexdigest()
+
+
 # -- /v1 -------------------------------------------------------------------------------------
 
 
@@ -210,8 +270,8 @@ def v1_router() -> APIRouter:
     """The `/v1` API. The token is checked before routing (`auth.TokenGuardMiddleware`).
 
     Ids are `path` parameters because training episodes have ids with slashes (`t0/0`); so
-    the routes with a suffix (`/events`, `/cancel`, `/metrics`, `/faults`) come before the
-    bare ones.
+    the routes with a suffix (`/events`, `/cancel`, `/media/{index}`, `/metrics`, `/faults`)
+    come before the bare ones.
     """
     router = APIRouter(prefix="/v1")
 
@@ -430,6 +490,103 @@ def v1_router() -> APIRouter:
             state.worker.cancel(episode_id)
         state.signals.notify(episode_id)
         return episode_out(record)
+
+    @router.get(
+        "/episodes/{episode_id:path}/media/{index}",
+        summary="Get a media item of an episode",
+        response_class=Response,
+        responses=responses(
+            404,
+            422,
+            500,
+            ok={
+                "description": "The item's bytes as stored, with the Content-Type of its "
+                "format (`application/octet-stream` for an `unknown` one). Content-addressed, "
+                "so cacheable for good.",
+                "content": {
+                    media_type: {"schema": {"type": "string", "format": "binary"}}
+                    for media_type in [*MEDIA_TYPES.values(), OTHER_MEDIA_TYPE]
+                },
+                "headers": {
+                    "Cache-Control": {
+                        "description": f"`{MEDIA_CACHE_CONTROL}`",
+                        "schema": {"type": "string"},
+                    },
+                    "X-Content-Type-Options": {
+                        "description": "`nosniff`",
+                        "schema": {"type": "string"},
+                    },
+                },
+            },
+        ),
+    )
+    async def get_episode_media(
+        request: Request,
+        episode_id: Annotated[str, Path(max_length=64, pattern=NO_NUL)],
+        index: Annotated[
+            int,
+            Path(ge=0, le=2**31 - 1, description="Position of the item in `multimodal`."),
+        ],
+    ) -> Response:
+        """The bytes of item `index` of the episode's `trajectory.multimodal` (an image, audio
+        clip or video), read from the media store of the episode's run (`RUN_DIR/media`) or,
+        for an episode submitted over REST, from the server's `media_dir`. 404 for an unknown
+        episode, one without a trajectory, an index past its items (`media-not-found`), or
+        bytes the store lacks (`media-missing`, naming the store); 500 `media-corrupt` when the
+        bytes read do not hash to the item's SHA-256."""
+        state = api_state(request)
+        record = await state.store.get_episode(episode_id, with_trajectory=True)
+        trajectory = record.trajectory
+        if trajectory is None:
+            raise ApiProblem(
+                404,
+                "no-trajectory",
+                f"episode {episode_id!r} is {record.status} and has no trajectory yet",
+            )
+        items = trajectory.multimodal
+        if index >= len(items):
+            raise ApiProblem(
+                404,
+                "media-not-found",
+                f"episode {episode_id!r} has {len(items)} media items (indexes from 0); "
+                f"there is no item {index}",
+            )
+        item = items[index]
+        sha256, kind, fmt = item.get("sha256"), item.get("kind"), item.get("format")
+        if not isinstance(sha256, str) or not _SHA256.match(sha256):
+            raise ApiProblem(
+                500,
+                "invalid-media-item",
+                f"media item {index} of episode {episode_id!r} has no valid sha256 (64 hex "
+                "digits) in its trajectory",
+            )
+        media_dir = await _episode_media_dir(state, record)
+        read = await asyncio.to_thread(_read_media, media_dir / sha256[:2] / sha256)
+        if read is None:
+            raise ApiProblem(
+                404,
+                "media-missing",
+                f"{kind}:{sha256[:12]} (item {index} of episode {episode_id!r}) is not in the "
+                f"media store at {media_dir}",
+                media_dir=str(media_dir),
+            )
+        data, digest = read
+        if digest != sha256:
+            raise ApiProblem(
+                500,
+                "media-corrupt",
+                f"the media store at {media_dir} is corrupt: the file of {kind}:{sha256[:12]} "
+                f"holds {len(data)} bytes whose SHA-256 is {digest}",
+                media_dir=str(media_dir),
+            )
+        return Response(
+            data,
+            media_type=MEDIA_TYPES.get(str(fmt), OTHER_MEDIA_TYPE),
+            headers={
+                "Cache-Control": MEDIA_CACHE_CONTROL,
+                "X-Content-Type-Options": "nosniff",
+            },
+        )
 
     @router.get(
         "/episodes/{episode_id:path}",

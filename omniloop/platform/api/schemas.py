@@ -20,11 +20,8 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
-    SerializerFunctionWrapHandler,
     StringConstraints,
     Tag,
-    model_serializer,
-    model_validator,
 )
 
 from omniloop.platform.api.settings import AGENT_NAME_PATTERN
@@ -111,33 +108,31 @@ class TextPartIn(_Input):
 DataUri = Annotated[str, StringConstraints(pattern=r"^data:[^,]*,")]
 
 
-class MediaPartIn(_Input):
-    """An image, audio clip or video inside a message, inline as a `data:` URI (base64) under
-    the key named by `type`: `{"type": "image", "image": "data:image/png;base64,..."}`. Server
-    file paths and URLs are not accepted; the request body limit bounds the size."""
+class ImagePartIn(_Input):
+    """An image inside a message, inline: `{"type": "image", "image": "data:image/png;base64,
+    ..."}`. Server file paths and URLs are not accepted; the request body limit bounds the size."""
 
-    type: Literal["image", "audio", "video"]
-    image: DataUri | None = None
-    audio: DataUri | None = None
-    video: DataUri | None = None
-
-    @model_serializer(mode="wrap")
-    def _only_its_source(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # `{"type": "image", "image": ...}`, without the other kinds' empty keys.
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-    @model_validator(mode="after")
-    def _source_under_its_kind(self) -> MediaPartIn:
-        given = [k for k in ("image", "audio", "video") if getattr(self, k) is not None]
-        if given != [self.type]:
-            raise ValueError(
-                f"a {self.type} part carries its data: URI under {self.type!r} and nothing "
-                f"else (got {', '.join(given) or 'none'})"
-            )
-        return self
+    type: Literal["image"]
+    image: DataUri
 
 
-ContentPartIn = Annotated[TextPartIn | MediaPartIn, Field(discriminator="type")]
+class AudioPartIn(_Input):
+    """An audio clip inside a message, inline as a `data:` URI (WAV, FLAC, OGG)."""
+
+    type: Literal["audio"]
+    audio: DataUri
+
+
+class VideoPartIn(_Input):
+    """A video inside a message, inline as a `data:` URI (MP4, WebM, ...)."""
+
+    type: Literal["video"]
+    video: DataUri
+
+
+ContentPartIn = Annotated[
+    TextPartIn | ImagePartIn | AudioPartIn | VideoPartIn, Field(discriminator="type")
+]
 
 
 class MessageIn(_Input):

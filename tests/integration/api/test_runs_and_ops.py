@@ -198,6 +198,7 @@ async def test_the_openapi_document_describes_every_endpoint_and_problem(make_se
         "/v1/episodes/{episode_id}",
         "/v1/episodes/{episode_id}/cancel",
         "/v1/episodes/{episode_id}/events",
+        "/v1/episodes/{episode_id}/media/{index}",
         "/v1/runs",
         "/v1/runs/{run_id}",
         "/v1/runs/{run_id}/faults",

@@ -175,6 +175,15 @@ export async function openJSON(path) {
   setTimeout(() => URL.revokeObjectURL(url), 60_000);
 }
 
+// Fetch a binary document of the API (an episode's image, clip or video) with the token and
+// give it as a blob: URL for an <img>, <audio> or <video> (whose src cannot send the header).
+// The caller revokes the URL when it is no longer shown.
+export async function getBlobURL(path, { signal } = {}) {
+  const response = await apiFetch(path, { signal });
+  if (!response.ok) throw new ApiError(response.status, await problemOf(response));
+  return URL.createObjectURL(await response.blob());
+}
+
 export const api = {
   runs: (params) => getJSON(`/v1/runs${query(params)}`),
   run: (id) => getJSON(`/v1/runs/${enc(id)}`),
@@ -183,5 +192,6 @@ export const api = {
   episodes: (params, opts) => getJSON(`/v1/episodes${query(params)}`, opts),
   episode: (id, params) => getJSON(`/v1/episodes/${enc(id)}${query(params || {})}`),
   tokens: (id) => getJSON(`/v1/tokens/${enc(id)}`),
+  media: (id, index, opts) => getBlobURL(`/v1/episodes/${enc(id)}/media/${index}`, opts),
   events: (id, handlers) => followEvents(`/v1/episodes/${enc(id)}/events`, handlers),
 };

@@ -1,6 +1,7 @@
 // The trajectory viewer: an episode's summary, reward breakdown, and its token stream split
 // into the prompt and each turn, with the loss mask overlaid, logprobs on hover, the turn's
-// tool calls and their results, and media inline.
+// tool calls and their results, and media inline: each image, clip or video stands where its
+// placeholder tokens are, in the prompt or the turn whose observation holds it.
 
 import { api, openJSON } from "./api.js";
 import { badge, clear, errorBox, fmtNum, fmtSeconds, fmtTime, h, taskSummary } from "./dom.js";
@@ -13,6 +14,7 @@ export function trajectoryPage(root, episodeId) {
   const live = h("div", { class: "live muted" });
   const body = h("div", { class: "trajectory" });
   clear(root, head, live, body);
+  const media = mediaLoader(episodeId);
   let source = null;
   let stopped = false;
 
@@ -31,7 +33,7 @@ export function trajectoryPage(root, episodeId) {
         }
       }
       if (stopped) return;
-      clear(body, renderEpisode(episode, tokens, tokenError));
+      clear(body, renderEpisode(episode, tokens, tokenError, media));
       root.dataset.ready = "true";
       root.dataset.status = episode.status;
       if (!TERMINAL.has(episode.status)) follow();
@@ -80,6 +82,26 @@ export function trajectoryPage(root, episodeId) {
   return () => {
     stopped = true;
     source?.close();
+    media.close();
+  };
+}
+
+// The episode's media: each item fetched once with the token and shown from a blob: URL (an
+// <img src> cannot send the header). Leaving the page aborts the fetches still running and
+// revokes the URLs.
+function mediaLoader(episodeId) {
+  const controller = new AbortController();
+  const urls = new Map(); // index in trajectory.multimodal → Promise of its blob: URL
+  return {
+    url(index) {
+      if (!urls.has(index)) urls.set(index, api.media(episodeId, index, { signal: controller.signal }));
+      return urls.get(index);
+    },
+    close() {
+      controller.abort();
+      for (const pending of urls.values()) pending.then((url) => URL.revokeObjectURL(url), () => {});
+      urls.clear();
+    },
   };
 }
 
@@ -92,7 +114,7 @@ function renderHead(head, ep) {
     h("a", { href: ep.href, class: "muted", onclick: (e) => { e.preventDefault(); openJSON(ep.href).catch((err) => head.append(errorBox(err))); } }, "JSON"));
 }
 
-function renderEpisode(ep, tokens, tokenError) {
+function renderEpisode(ep, tokens, tokenError, media) {
   const traj = ep.trajectory;
   const facts = [
     ["agent", ep.agent],
@@ -115,7 +137,7 @@ function renderEpisode(ep, tokens, tokenError) {
         h("pre", { class: "prompt" }, taskSummary(ep.task)),
         ep.task?.answer !== undefined && ep.task?.answer !== null
           ? h("p", {}, h("span", { class: "muted" }, "answer: "), JSON.stringify(ep.task.answer)) : null)),
-    traj ? tokenView(traj, tokens, tokenError)
+    traj ? tokenView(traj, tokens, tokenError, media)
       : h("p", { class: "muted", "data-no-trajectory": "" },
         TERMINAL.has(ep.status) ? "This episode has no trajectory." : "The trajectory appears when the episode finishes."),
   ];
@@ -184,23 +206,72 @@ function toolCall(call) {
     h("pre", { class: "tool-output", "data-tool-output": "" }, call.output));
 }
 
-function mediaItem(item) {
-  const kind = item.type || item.modality || item.kind || "";
-  const raw = item.data_url || item.url || item.src ||
-    (item.data && item.mime ? `data:${item.mime};base64,${item.data}` : null);
-  const safe = typeof raw === "string" && /^(data:(image|audio|video)\/|https?:|\/)/i.test(raw) ? raw : null;
-  const where = ["position", "token_index", "offset"].filter((k) => k in item).map((k) => `${k} ${item[k]}`).join(", ");
-  let media;
-  if (!safe) media = h("pre", { class: "small" }, JSON.stringify(item, null, 2));
-  else if (/image/.test(kind) || /^data:image\//i.test(safe)) media = h("img", { src: safe, alt: item.name || "image", loading: "lazy" });
-  else if (/audio/.test(kind) || /^data:audio\//i.test(safe)) media = h("audio", { src: safe, controls: true, preload: "metadata" });
-  else if (/video/.test(kind) || /^data:video\//i.test(safe)) media = h("video", { src: safe, controls: true, preload: "metadata" });
-  else media = h("a", { href: safe, target: "_blank", rel: "noopener" }, safe);
-  return h("figure", { class: "media", "data-media": kind }, media, h("figcaption", { class: "muted small" }, [kind, where].filter(Boolean).join(" · ")));
+function fmtBytes(n) {
+  if (!Number.isFinite(n)) return "–";
+  if (n < 1024) return `${n} B`;
+  return n < 1024 * 1024 ? `${(n / 1024).toFixed(1)} kB` : `${(n / 1024 / 1024).toFixed(1)} MB`;
 }
 
-function tokenView(traj, tokens, tokenError) {
+const MEDIA_TAGS = { image: "img", audio: "audio", video: "video" };
+
+// One media item where its placeholder tokens are: an <img>, <audio controls> or <video
+// controls> with a caption, standing for the whole placeholder run.
+function mediaFigure(item, media) {
+  const tag = MEDIA_TAGS[item.kind];
+  const el = !tag ? h("span", { class: "muted" }, item.kind || "media")
+    : tag === "img" ? h("img", { alt: `image ${item.index}` })
+      : h(tag, { controls: true, preload: "metadata" });
+  const last = item.offset + item.tokens - 1;
+  const figure = h("figure", {
+    class: "media",
+    "data-media": item.kind || "",
+    "data-index": item.index,
+    "data-offset": item.offset,
+    "data-tokens": item.tokens,
+    "data-format": item.format || "",
+    "data-state": "loading",
+    title: `tokens ${item.offset}–${last} · ${item.format} · ${fmtBytes(item.size)} · sha256 ${item.sha256}`,
+  }, el, h("figcaption", { class: "muted small" }, `${item.kind} · ${fmtNum(item.tokens)} tokens`));
+  if (!tag) return figure;
+  el.addEventListener(tag === "img" ? "load" : "loadedmetadata", () => { figure.dataset.state = "loaded"; });
+  el.addEventListener("error", () => { figure.dataset.state = "failed"; });
+  media.url(item.index).then((url) => { el.src = url; }, (err) => {
+    if (err.name === "AbortError") return;
+    figure.dataset.state = "failed";
+    el.replaceWith(errorBox(err));
+  });
+  return figure;
+}
+
+// Tokens start..end-1 as spans, except media placeholder runs: each run is one figure, in the
+// block that holds its first placeholder (a run that goes on past `end` is not shown again in
+// the next block). `placed` is sorted by offset.
+function streamSpans(list, start, end, promptLength, placed, media) {
+  const frag = document.createDocumentFragment();
+  let i = start;
+  for (const item of placed) {
+    const stop = item.offset + item.tokens;
+    if (stop <= i) continue;
+    if (item.offset >= end) break;
+    if (item.offset > i) frag.append(tokenSpans(list, i, item.offset, promptLength));
+    if (item.offset >= start) {
+      frag.append(mediaFigure(item, media));
+      item.shown = true;
+    }
+    i = Math.min(stop, end);
+  }
+  if (i < end) frag.append(tokenSpans(list, i, end, promptLength));
+  return frag;
+}
+
+function tokenView(traj, tokens, tokenError, media) {
   const list = tokens || idTokens(traj);
+  // Media placements (index = position in multimodal, what the media route takes).
+  const placed = (traj.multimodal || [])
+    .map((item, index) => ({ ...item, index }))
+    .filter((item) => Number.isInteger(item.offset) && Number.isInteger(item.tokens) && item.tokens > 0)
+    .sort((a, b) => a.offset - b.offset);
+  const placeholders = placed.reduce((a, item) => a + item.tokens, 0);
   const meta = traj.meta || {};
   const turns = meta.turns || [];
   const calls = meta.tool_calls || [];
@@ -208,7 +279,7 @@ function tokenView(traj, tokens, tokenError) {
   const blocks = [];
   const block = (title, start, end, extra = []) => h("section", { class: "turn" },
     h("h3", {}, title, h("span", { class: "muted small" }, ` tokens ${start}–${end - 1}`)),
-    h("div", { class: "tokens" }, tokenSpans(list, start, end, traj.prompt_length)),
+    h("div", { class: "tokens" }, streamSpans(list, start, end, traj.prompt_length, placed, media)),
     extra);
   blocks.push(block("Prompt", 0, Math.min(traj.prompt_length, list.length)));
   let covered = traj.prompt_length;
@@ -225,7 +296,14 @@ function tokenView(traj, tokens, tokenError) {
   if (covered < list.length) blocks.push(block("Other tokens", covered, list.length));
   const orphanCalls = calls.filter((c) => c.turn >= turns.length);
   if (orphanCalls.length) blocks.push(h("section", { class: "turn" }, h("h3", {}, "Tool calls"), orphanCalls.map(toolCall)));
-  const media = traj.multimodal || [];
+  // Items whose placeholders are not in the token stream shown (should not happen) still show.
+  const unplaced = placed.filter((item) => !item.shown);
+  if (unplaced.length) {
+    blocks.push(h("section", { class: "turn" }, h("h3", {}, "Media outside the tokens"),
+      h("div", { class: "media-list" }, unplaced.map((item) => mediaFigure(item, media)))));
+  }
+  const mediaCount = placed.length
+    ? ` · ${placed.length} media (${fmtNum(placeholders)} placeholder tokens)` : "";
   return h("section", { class: "token-view", "data-trajectory": traj.id },
     h("div", { class: "page-head" }, h("h2", {}, "Trajectory"),
       h("span", { class: "legend" },
@@ -234,9 +312,8 @@ function tokenView(traj, tokens, tokenError) {
         h("span", { class: "tok p" }, "prompt"), " ",
         h("span", { class: "tok s low" }, `logprob < ${LOW_LOGPROB}`)),
       h("span", { class: "muted small" },
-        `${list.length} tokens · ${sampled} sampled · ${turns.length} turns · ${calls.length} tool calls · hover a token for its logprob`)),
+        `${list.length} tokens · ${sampled} sampled · ${turns.length} turns · ${calls.length} tool calls${mediaCount} · hover a token for its logprob`)),
     tokenError ? h("div", { class: "error-box" }, `Token text unavailable (${tokenError.message}); showing ids.`) : null,
     meta.error ? h("div", { class: "error-box" }, `${meta.error.type}: ${meta.error.message}`) : null,
-    media.length ? h("section", { class: "turn" }, h("h3", {}, "Media"), h("div", { class: "media-list" }, media.map(mediaItem))) : null,
     blocks);
 }
