@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -36,23 +37,16 @@ def _stop_process(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=15)
 
 
-@pytest.fixture(scope="session")
-def tiny_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of `omniloop engine serve --model tiny` run as a subprocess for the whole session.
-
-    One torch thread (the CI machine has two cores shared by everything), 8 slots, a context
-    of 512 tokens. The server's output is in the session's temp dir and shown on failure.
-    """
-    log = tmp_path_factory.mktemp("engine") / "engine.log"
+@contextlib.contextmanager
+def served_engine(log: Path, model: str, *options: str) -> Iterator[str]:
+    """`omniloop engine serve --model MODEL --port 0 --threads 1 OPTIONS` as a subprocess
+    writing to `log`, for the block; yields its URL once `/health` answers. Port 0: the server
+    binds a free port itself and prints it, so no port can be taken between choosing it and
+    binding it. The log is shown if the server exits or is not healthy within 180 s."""
     exe = Path(sys.executable).parent / "omniloop"
-    # Port 0: the server binds a free port itself and prints it, so no port can be taken
-    # between choosing it and binding it.
-    cmd = [
-        str(exe), "engine", "serve", "--model", "tiny", "--port", "0", "--threads", "1",
-        "--max-batch", str(ENGINE_MAX_BATCH), "--max-context", str(ENGINE_MAX_CONTEXT),
-    ]  # fmt: skip
+    cmd = [str(exe), "engine", "serve", "--model", model, "--port", "0", "--threads", "1"]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*cmd, *options], stdout=out, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         url: str | None = None
@@ -76,6 +70,25 @@ def tiny_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         _stop_process(proc)
+
+
+@pytest.fixture(scope="session")
+def engine_server() -> Callable[..., contextlib.AbstractContextManager[str]]:
+    """`served_engine`, for test modules that serve a model of their own."""
+    return served_engine
+
+
+@pytest.fixture(scope="session")
+def tiny_engine_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """URL of `omniloop engine serve --model tiny` run as a subprocess for the whole session.
+
+    One torch thread (the CI machine has two cores shared by everything), 8 slots, a context
+    of 512 tokens. The server's output is in the session's temp dir and shown on failure.
+    """
+    log = tmp_path_factory.mktemp("engine") / "engine.log"
+    options = ["--max-batch", str(ENGINE_MAX_BATCH), "--max-context", str(ENGINE_MAX_CONTEXT)]
+    with served_engine(log, "tiny", *options) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

@@ -49,6 +49,7 @@ from omniloop.errors import ConfigError
 from omniloop.inference.llama import read_safetensors
 from omniloop.inference.models import OMNI_THINKER_MODEL_TYPE, load_omni_model
 from omniloop.inference.runner import RunnerInfo, context_length
+from omniloop.inference.weight_names import checked_names
 from omniloop.modalities import MediaKind, ProcessedMedia, concat_inputs
 
 if TYPE_CHECKING:
@@ -81,15 +82,7 @@ class HFWeights:
         return tensor
 
     def check(self, named: Iterable[tuple[str, torch.Tensor]], *, full: bool) -> None:
-        seen = set()
-        for name, tensor in named:
-            target = self.target(name)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ConfigError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model needs "
-                    f"{tuple(target.shape)}"
-                )
-            seen.add(name)
+        seen = checked_names(named, self.target)
         if full:
             # A tied alias given instead of its parameter's first name counts for it.
             given = {self._targets[n].data_ptr() for n in seen}

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from omniloop.errors import ConfigError
+from omniloop.inference.weight_names import checked_names
 
 
 @dataclass(frozen=True)
@@ -233,15 +234,7 @@ class LlamaWeights:
 
         With `full`, every weight of the model must be present (a complete checkpoint).
         """
-        seen = set()
-        for name, tensor in named:
-            target = self._target(name)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ConfigError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model needs "
-                    f"{tuple(target.shape)}"
-                )
-            seen.add(name)
+        seen = checked_names(named, self._target)
         if full:
             missing = [n for n in self.names() if n not in seen]
             if missing:

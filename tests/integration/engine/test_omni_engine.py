@@ -18,8 +18,6 @@ import asyncio
 import base64
 import itertools
 import re
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -41,47 +39,13 @@ MIME = {MediaKind.IMAGE: "image/png", MediaKind.AUDIO: "audio/wav", MediaKind.VI
 _versions = itertools.count(100)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-
-
 @pytest.fixture(scope="module")
-def omni_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def omni_url(tmp_path_factory: pytest.TempPathFactory, engine_server: Any) -> Iterator[str]:
     """URL of `omniloop engine serve --model tiny-omni` (one thread, 8 slots)."""
     log = tmp_path_factory.mktemp("omni-engine") / "engine.log"
-    exe = Path(sys.executable).parent / "omniloop"
-    cmd = [
-        str(exe), "engine", "serve", "--model", "tiny-omni", "--port", "0", "--threads", "1",
-        "--max-batch", "8", "--max-context", str(MAX_CONTEXT),
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 180
-        url: str | None = None
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {proc.returncode}:\n{log.read_text()}")
-            if url is None:
-                ready = [ln for ln in log.read_text().splitlines() if "engine ready at " in ln]
-                url = ready[0].split("ready at ", 1)[1].split()[0] if ready else None
-            try:
-                if url is not None and httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine not healthy after 180 s:\n{log.read_text()}")
-            time.sleep(0.1)
+    options = ["--max-batch", "8", "--max-context", str(MAX_CONTEXT)]
+    with engine_server(log, "tiny-omni", *options) as url:
         yield url
-    finally:
-        _stop(proc)
 
 
 @pytest.fixture
@@ -448,10 +412,13 @@ UPDATE_METHODS = ["save_pretrained", "disk", "distributed", "distributed-each", 
 
 
 async def restore(http: httpx.AsyncClient) -> None:
-    """Back to tiny-omni's own weights, for the other tests."""
+    """Back to tiny-omni's own weights, generating, for the other tests (a failed publish
+    leaves the engine paused until a later one completes: here, this load)."""
     response = await http.post(
         "/update_weights_from_disk", json={"model_path": str(resolve_model("tiny-omni"))}
     )
+    assert response.status_code == 200, response.text
+    response = await http.post("/continue_generation", json={})
     assert response.status_code == 200, response.text
 
 
