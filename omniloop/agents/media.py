@@ -110,11 +110,9 @@ class MediaResolver:
         if self.processor is None or self.tokens is None:
             raise MediaError(f"{media.label}: the model takes no {kind} input (no media tokens)")
         key = (kind.value, media.sha256)
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
-                self._cache.move_to_end(key)
-                return hit
+        hit = self._cached(key)
+        if hit is not None:
+            return hit
         processed = self.processor.process(kind, data, label=media.label)
         processed = ProcessedMedia(
             kind=processed.kind, tokens=processed.tokens, inputs=processed.inputs, media=media,
@@ -126,6 +124,13 @@ class MediaResolver:
                 self._cache.popitem(last=False)
         return processed
 
+    def _cached(self, key: tuple[str, str]) -> ProcessedMedia | None:
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+            return hit
+
     def model_inputs(self, entries: Sequence[Mapping[str, Any]]) -> dict[str, Tensor] | None:
         """The forward inputs of a trajectory's media (`Trajectory.multimodal` entries), read
         from the store and processed as the rollout processed them (cached by hash), in
@@ -135,7 +140,10 @@ class MediaResolver:
         items = []
         for entry in entries:
             media = MediaPlacement.model_validate(entry).media
-            processed = self.resolve(media.kind, self.store.read(media))
+            # A group's rows share their prompt's items: read and hash them once.
+            processed = self._cached((media.kind.value, media.sha256)) or self.resolve(
+                media.kind, self.store.read(media)
+            )
             if processed.tokens != entry["tokens"]:
                 raise MediaError(
                     f"{media.label} makes {processed.tokens} placeholder tokens here but "
