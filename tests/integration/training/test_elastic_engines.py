@@ -11,12 +11,17 @@ once it has served and received later weights (and not before step 6) it is remo
 its process stops. The run
 completes with every episode trained once and none lost to an engine error. The api role's
 `/metrics` shows each engine's weight updates while it is in the run, and nothing of it after.
+
+A run this short can outpace an engine launch on a busy machine, so a gate (`gated_rewards`)
+holds its episodes: from step HOLD_UNTIL_LAUNCHED until the launched engine is in rotation,
+then from step HOLD_UNTIL_REMOVED until both engines have been removed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -38,6 +43,9 @@ STEPS = 16
 TASKS_PER_STEP = 4
 SAMPLES = 4
 ADD_AT, REMOVE_AT, REMOVE_LAUNCHED_AT = 1, 3, 6
+HOLD_UNTIL_LAUNCHED, HOLD_UNTIL_REMOVED = 2, 12
+GATED_REWARDS = Path(__file__).with_name("gated_rewards.py")
+TOY_REWARD = f"{Path(__file__).parents[3] / 'examples/toy_tool/agent.py'}:found_the_treasure"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -165,6 +173,7 @@ def _launch_then_remove(elastic: ElasticRun, api: str) -> None:
             time.sleep(0.2)
         launched = httpx.post(f"{api}/v1/rollout/engines", json={"launch": True}, timeout=300)
         seen["launch"] = (launched.status_code, launched.json())
+        set_gate(elastic.run_dir, HOLD_UNTIL_REMOVED)
         url = launched.json()["url"]
         seen["launched_version_when_answered"] = weight_version(url)
         seen["series_after_launch"] = engine_series(api)
@@ -184,9 +193,29 @@ def _launch_then_remove(elastic: ElasticRun, api: str) -> None:
         elastic.errors.append(f"launch/remove: {err!r} after {sorted(seen)}")
 
 
+def set_gate(run_dir: Path, step: int | None) -> None:
+    """Hold the episodes of `step` and later (`gated_rewards`); None: hold none."""
+    gate = run_dir / "gate"
+    if step is None:
+        gate.unlink(missing_ok=True)
+        return
+    staged = gate.with_suffix(".tmp")
+    staged.write_text(str(step))
+    staged.replace(gate)  # never a half-written gate
+
+
+def _release_when_done(elastic: ElasticRun, watchers: list[threading.Thread]) -> None:
+    """Open the gate once both watchers are done (or failed)."""
+    for watcher in watchers:
+        watcher.join()
+    set_gate(elastic.run_dir, None)
+
+
 @pytest.fixture(scope="module")
 def elastic_run(toy_config: Any, toy_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     run_dir = tmp_path_factory.mktemp("elastic")
+    shutil.copy(GATED_REWARDS, run_dir / GATED_REWARDS.name)
+    set_gate(run_dir, HOLD_UNTIL_LAUNCHED)
     port = free_port()
     config = toy_config(
         run_dir,
@@ -197,6 +226,10 @@ def elastic_run(toy_config: Any, toy_model: Path, tmp_path_factory: pytest.TempP
             "max_staleness": 1,
             "services.mode": "services",
             "services.api_port": port,
+            "rollout.rewards": [
+                TOY_REWARD,
+                f"{run_dir / GATED_REWARDS.name}:hold",
+            ],
         },
     )
     log = run_dir / "extra-engine.log"
@@ -217,10 +250,13 @@ def elastic_run(toy_config: Any, toy_model: Path, tmp_path_factory: pytest.TempP
         ]
         for watcher in watchers:
             watcher.start()
+        releaser = threading.Thread(target=_release_when_done, args=(elastic, watchers))
+        releaser.start()
         try:
             asyncio.run(run(config))
         finally:
-            for watcher in watchers:
+            set_gate(run_dir, None)
+            for watcher in [*watchers, releaser]:
                 watcher.join(timeout=120)
         elastic.seen["requests_at_end"] = generate_requests(log)
         elastic.seen["version_at_end"] = weight_version(extra)
