@@ -7,6 +7,7 @@ tool's media reach the model after the tool's text, as placeholder blocks, and s
 input for the rest of the episode.
 
 The reward is 1 when the final answer is the task's answer: the count, or `left` / `right`.
+The colour task (`colors.jsonl`, `learn.yaml`) has the same reward and no tools.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def spectrogram(ctx: ToolContext) -> ToolResult:
 def build_agent() -> ToolAgent:
     """The tool agent of the toy omni task."""
     return ToolAgent([crop, clip, spectrogram], system_prompt=SYSTEM_PROMPT)
+
+
+def build_color_agent() -> ToolAgent:
+    """The colour task's agent: the prompt as it is, one answer, no tools."""
+    return ToolAgent()
 
 
 @reward

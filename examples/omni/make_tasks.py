@@ -1,12 +1,15 @@
 """Write the toy omni task set: images, audio clips and videos made here, and a JSONL of tasks
 that name them. Deterministic; nothing is downloaded.
 
-Three questions, one per modality:
+Three questions, one per modality (`tasks.jsonl`):
 - image: "How many red squares?" over a picture with 1 to 3 red squares and blue distractors;
 - audio: "How many beeps?" over a one-second clip with 1 to 3 beeps;
 - video: "Which way does the square move?" over a short clip of a square moving left or right.
 
-    python examples/omni/make_tasks.py   # writes examples/omni/media/ and tasks.jsonl
+And one that the tiny random model learns in minutes (`colors.jsonl`, see `learn.yaml`):
+"Color?" over a picture of one color, red or blue, its shade jittered.
+
+    python examples/omni/make_tasks.py   # writes examples/omni/media/, tasks.jsonl, colors.jsonl
 """
 
 from __future__ import annotations
@@ -65,6 +68,40 @@ def moving_mp4(direction: str, rng: random.Random) -> bytes:
     return synth.mp4([np.roll(f, offset, axis=0) for f in frames], fps=4)
 
 
+COLORS = {"red": (210, 30, 30), "blue": (30, 50, 210)}
+
+
+def color_png(rgb: tuple[int, int, int], rng: random.Random, size: int = 112) -> bytes:
+    """A `size`-pixel square of the color `rgb`, each channel shifted by up to 15."""
+    r, g, b = (min(255, max(0, c + rng.randint(-15, 15))) for c in rgb)
+    return synth.solid_png(size, size, (r, g, b))
+
+
+def color_tasks(per_color: int = 8, seed: int = 1) -> list[dict[str, object]]:
+    """`per_color` "Color?" tasks for red and for blue, alternating; media written to `media/`."""
+    rng = random.Random(seed)
+    media = HERE / "media"
+    media.mkdir(exist_ok=True)
+    tasks: list[dict[str, object]] = []
+    for i in range(per_color):
+        for color, rgb in COLORS.items():
+            path = media / f"color-{color}-{i}.png"
+            path.write_bytes(color_png(rgb, rng))
+            content = [
+                {"type": "image", "image": f"media/{path.name}"},
+                {"type": "text", "text": "Color?"},
+            ]
+            tasks.append(
+                {
+                    "id": f"color-{color}-{i}",
+                    "prompt": [{"role": "user", "content": content}],
+                    "answer": color,
+                    "metadata": {"kind": "image"},
+                }
+            )
+    return tasks
+
+
 def make_tasks(per_answer: int = 4, seed: int = 0) -> list[dict[str, object]]:
     """`per_answer` tasks for every answer of every modality; media written to `media/`."""
     rng = random.Random(seed)
@@ -101,8 +138,12 @@ def make_tasks(per_answer: int = 4, seed: int = 0) -> list[dict[str, object]]:
     return tasks
 
 
+def write_jsonl(path: Path, rows: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    print(f"{len(rows)} tasks written to {path}")
+
+
 if __name__ == "__main__":
-    out = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "tasks.jsonl"
-    rows = make_tasks()
-    out.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    print(f"{len(rows)} tasks written to {out}")
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE
+    write_jsonl(out / "tasks.jsonl", make_tasks())
+    write_jsonl(out / "colors.jsonl", color_tasks())

@@ -48,6 +48,7 @@ def mp4(frames: Sequence[np.ndarray] | np.ndarray, fps: int = 4) -> bytes:
         stream = container.add_stream("libx264", rate=fps)
         stream.height, stream.width = frames[0].shape[:2]
         stream.pix_fmt = "yuv420p"
+        stream.codec_context.thread_count = 1  # x264's threads make the bytes vary run to run
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
