@@ -44,12 +44,19 @@ def colour_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(OMNI))  # the script imports its siblings
+    # The script imports its siblings by name (`agent`, `make_tasks`), and the toy example has
+    # an `agent` too: neither may see the other's.
+    siblings = {"agent", "make_tasks"}
+    saved = {name: sys.modules.pop(name) for name in siblings if name in sys.modules}
     try:
         spec.loader.exec_module(module)
         return Path(module.warm_start(tmp_path_factory.mktemp("omni-model") / "model"))
     finally:
-        sys.path.remove(str(OMNI))
+        for name in siblings:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+        if str(OMNI) in sys.path:
+            sys.path.remove(str(OMNI))
 
 
 @dataclass
