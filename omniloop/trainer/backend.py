@@ -1,6 +1,8 @@
 """The `TrainerBackend` protocol: what the control loop needs from a trainer.
 
-Implementations: `torch_backend.TorchTrainerBackend` (a Hugging Face model, CPU or GPU).
+Implementation: `torch_backend.TorchTrainerBackend`, a PyTorch training loop over the policy
+model that `trainer.backend` names (a Hugging Face model, or megatron-core's `GPTModel`); build
+it with `make_backend`.
 
 Alignment contract (every implementation): per-token tensors are `(B, T)` like the batch, and
 `logprobs(batch)[b, i] = log p(input_ids[b, i] | input_ids[b, :i])` for `i >= 1`; position 0
@@ -17,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor
 
 from omniloop.trainer.batch import TrainBatch
+from omniloop.trainer.config import TrainerConfig
 
 
 @runtime_checkable
@@ -59,3 +62,10 @@ class TrainerBackend(Protocol):
     def save_hf(self, path: str | Path) -> None:
         """Write a Hugging Face model folder (weights, config, tokenizer) an engine can load."""
         ...
+
+
+def make_backend(model: str | Path, config: TrainerConfig) -> TrainerBackend:
+    """The trainer of `config` for `model` (anything `resolve_model` accepts)."""
+    from omniloop.trainer.torch_backend import TorchTrainerBackend
+
+    return TorchTrainerBackend(model, config)

@@ -77,11 +77,23 @@ class AdvantageConfig(StrictModel):
     """Added to the group std before dividing."""
 
 
+class MegatronConfig(StrictModel):
+    """`trainer.backend=megatron`'s own settings."""
+
+    tensor_parallel: int = Field(default=1, ge=1)
+    """Ranks that split each layer's weights (megatron-core tensor parallelism). Above 1 the
+    trainer must run as that many processes in one process group, calling it in lock step; a
+    run's actor is one process for now, so runs use 1."""
+
+
 class TrainerConfig(StrictModel):
     """The trainer backend: optimizer, precision, micro-batching and the objective."""
 
-    backend: Literal["torch"] = "torch"
-    """Which `TrainerBackend` implementation to build."""
+    backend: Literal["torch", "megatron"] = "torch"
+    """The policy's model: `torch`, the Hugging Face model (any causal LM, or a multimodal
+    conditional-generation model); `megatron`, megatron-core's `GPTModel` built from the
+    Hugging Face Llama / Qwen2 folder (text only; one rank for now). The training loop, losses
+    and optimizer are the same."""
     lr: float = Field(default=1e-6, gt=0)
     """AdamW learning rate (after warm-up)."""
     betas: tuple[float, float] = (0.9, 0.999)
@@ -111,10 +123,21 @@ class TrainerConfig(StrictModel):
     """Where KL reference logprobs come from when `loss.kl_coef > 0`: `copy` keeps a frozen copy of
     the initial policy beside the trainer's; `external` requires `ref_logprobs` on every batch,
     which in a run the `reference` role computes (a process of its own in services mode)."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    """Settings of `backend=megatron` (ignored by `torch`)."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """The training objective."""
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     """The advantage estimator."""
+
+    @model_validator(mode="after")
+    def _check_megatron(self) -> TrainerConfig:
+        if self.backend == "megatron" and self.dtype != "fp32":
+            raise ValueError(
+                f"trainer.backend=megatron trains in fp32 (dtype {self.dtype!r}: autocast does "
+                "not reach megatron's linear layers); set trainer.dtype=fp32"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_betas(self) -> TrainerConfig:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
-from omniloop.trainer.torch_backend import Scorer, default_device, load_hf_model
+from omniloop.trainer.torch_backend import Scorer, default_device, load_policy
 
 
 class ReferencePolicy(Protocol):
@@ -31,17 +31,17 @@ class ReferencePolicy(Protocol):
 
 
 class TorchReference:
-    """`ReferencePolicy` over a Hugging Face model (`load_hf_model`: a causal LM or a multimodal
-    conditional-generation model, media inputs scored with their rows), scored like
-    `TorchTrainerBackend` scores (same dtype, device and micro-batching, from the same
-    `TrainerConfig`), so its logprobs equal the backend's `ref_logprobs` for the same base
-    model."""
+    """`ReferencePolicy` over the policy model of `config.backend` (`load_policy`: a Hugging
+    Face causal LM or multimodal conditional-generation model, media inputs scored with their
+    rows, or megatron-core's `GPTModel`), scored like `TorchTrainerBackend` scores (same dtype,
+    device and micro-batching, from the same `TrainerConfig`), so its logprobs equal the
+    backend's `ref_logprobs` for the same base model."""
 
     def __init__(self, model: str | Path, config: TrainerConfig | None = None) -> None:
         self.config = config or TrainerConfig()
         device = torch.device(self.config.device) if self.config.device else default_device()
-        hf_model = load_hf_model(resolve_model(str(model)))
-        self.model: nn.Module = nn.Module.to(hf_model, device).eval().requires_grad_(False)
+        policy = load_policy(resolve_model(str(model)), self.config)
+        self.model: nn.Module = nn.Module.to(policy.module, device).eval().requires_grad_(False)
         self._scorer = Scorer(self.config, device)
 
     def logprobs(self, batch: TrainBatch) -> Tensor:

@@ -1,5 +1,8 @@
-"""`TorchTrainerBackend`: a Hugging Face causal LM or multimodal conditional-generation model
-(e.g. the Qwen2.5-Omni thinker) trained with plain PyTorch (CPU or one GPU).
+"""`TorchTrainerBackend`: a policy trained with plain PyTorch (CPU or one GPU), the policy being
+a `PolicyModel`: a Hugging Face causal LM or multimodal conditional-generation model (e.g. the
+Qwen2.5-Omni thinker; `HFPolicy`, `trainer.backend=torch`) or megatron-core's `GPTModel` built
+from a Hugging Face Llama / Qwen2 folder (`MegatronPolicy`, `trainer.backend=megatron`). The
+loop, losses, optimizer and checkpoints are the same for both.
 
 Logprob alignment — where loss-mask bugs live. A causal LM's logits at position `j` are the
 distribution of token `j + 1`. The backend shifts them so that every per-token tensor is indexed
@@ -39,7 +42,6 @@ calling `load`.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import math
 import os
@@ -48,7 +50,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import safetensors.torch
 import torch
@@ -320,10 +322,98 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+class PolicyModel(Protocol):
+    """The model a `TorchTrainerBackend` trains.
+
+    `module` is called as a Hugging Face model is: `module(input_ids=, attention_mask=,
+    use_cache=False, **media_inputs)` returning an object with `.logits` `(B, T, V)`.
+    """
+
+    @property
+    def module(self) -> nn.Module:
+        """The model trained (moved to the trainer's device by the backend)."""
+        ...
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The weights under the names an engine serving the Hugging Face model loads, detached,
+        each tied tensor once."""
+        ...
+
+    def save_hf(self, folder: Path) -> None:
+        """Write the weights and the model's config into `folder` (which exists)."""
+        ...
+
+    def save_weights(self, file: Path) -> None:
+        """Write every weight of `module` to the safetensors `file` (a checkpoint's)."""
+        ...
+
+    def load_weights(self, file: Path, device: torch.device) -> None:
+        """Restore `save_weights`' file; ValueError naming what does not fit."""
+        ...
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the gradients so that their global norm is at most `max_norm` (`inf`: leave
+        them); returns the norm before (not finite when a gradient is not)."""
+        ...
+
+
+class HFPolicy:
+    """A Hugging Face model as the policy (`load_hf_model`)."""
+
+    def __init__(self, path: Path, *, gradient_checkpointing: bool = False) -> None:
+        model: Any = load_hf_model(path)
+        if gradient_checkpointing:
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        self.module: nn.Module = model
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """Parameters and persistent buffers under their in-memory names (`named_parameters()`:
+        what an engine holding the same Hugging Face class loads by name, e.g. `model.visual.…`
+        for the Omni thinker); tied tensors once."""
+        persistent = set(self.module.state_dict().keys())
+        for name, param in self.module.named_parameters():
+            yield name, param.detach()
+        for name, buf in self.module.named_buffers():
+            if name in persistent:
+                yield name, buf.detach()
+
+    def save_hf(self, folder: Path) -> None:
+        """`save_pretrained`: the checkpoint layout transformers writes (for the Omni thinker,
+        `visual.…` rather than the in-memory `model.visual.…`), which `from_pretrained` maps
+        back."""
+        self.module.save_pretrained(folder)  # type: ignore[operator]
+
+    def save_weights(self, file: Path) -> None:
+        safetensors.torch.save_model(self.module, str(file))
+
+    def load_weights(self, file: Path, device: torch.device) -> None:
+        missing, unexpected = safetensors.torch.load_model(
+            self.module, str(file), strict=True, device=str(device)
+        )
+        if missing or unexpected:
+            raise ValueError(f"{file}: weights do not fit the model: {missing=} {unexpected=}")
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def load_policy(path: Path, config: TrainerConfig) -> PolicyModel:
+    """The policy of `config.backend` for the model folder `path`."""
+    if config.backend == "megatron":
+        from omniloop.trainer.megatron.model import MegatronPolicy
+
+        return MegatronPolicy.load(
+            path,
+            gradient_checkpointing=config.gradient_checkpointing,
+            tensor_parallel=config.megatron.tensor_parallel,
+        )
+    return HFPolicy(path, gradient_checkpointing=config.gradient_checkpointing)
+
+
 class TorchTrainerBackend:
-    """A `TrainerBackend` over a Hugging Face model (`load_hf_model`: a causal LM, or a
-    multimodal conditional-generation model whose rows carry `media_inputs`): AdamW, grad
-    clipping, micro-batching.
+    """A `TrainerBackend` over a `PolicyModel` (`load_policy`, by `config.backend`): AdamW, grad
+    clipping, micro-batching. Rows may carry `media_inputs` for a multimodal Hugging Face model.
 
     `model` is anything `resolve_model` accepts (`tiny`, `tiny-omni`, `smollm2`, a HF folder).
     Not thread-safe: one caller drives it.
@@ -333,14 +423,15 @@ class TorchTrainerBackend:
         self.config = config or TrainerConfig()
         self.model_path = resolve_model(str(model))
         self.device = torch.device(self.config.device) if self.config.device else default_device()
-        hf_model: Any = load_hf_model(self.model_path)
-        if self.config.gradient_checkpointing:
-            hf_model.activation_checkpointing_enable({"use_reentrant": False})
+        self.policy = load_policy(self.model_path, self.config)
         # nn.Module.to directly: transformers' wrapper around `to` confuses type checkers.
-        self.model: nn.Module = nn.Module.to(hf_model, self.device)
+        self.model: nn.Module = nn.Module.to(self.policy.module, self.device)
         self.reference: nn.Module | None = None
         if self.config.loss.kl_coef > 0 and self.config.reference == "copy":
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            # The initial policy, loaded again (a module holding a process group, megatron's,
+            # cannot be deep-copied).
+            initial = load_policy(self.model_path, self.config).module
+            self.reference = nn.Module.to(initial, self.device).eval().requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             params,
@@ -440,9 +531,8 @@ class TorchTrainerBackend:
                 sums[key] = sums[key] + value if key in sums else value
             del logits, lp, entropy, loss
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grad_norm = self.policy.clip_grad_norm(max_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
         skipped = not math.isfinite(grad_norm)
         if skipped:
@@ -479,15 +569,9 @@ class TorchTrainerBackend:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Parameters and persistent buffers under their in-memory names (`named_parameters()`:
-        what an engine holding the same Hugging Face class loads by name, e.g.
-        `model.visual.…` for the Omni thinker); tied tensors once (detached)."""
-        persistent = set(self.model.state_dict().keys())
-        for name, param in self.model.named_parameters():
-            yield name, param.detach()
-        for name, buf in self.model.named_buffers():
-            if name in persistent:
-                yield name, buf.detach()
+        """The weights under the names an engine serving the Hugging Face model loads
+        (`PolicyModel.hf_weights`), detached, tied tensors once."""
+        return self.policy.hf_weights()
 
     def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
         """Write a checkpoint folder; it appears complete or not at all (written aside, renamed).
@@ -504,7 +588,7 @@ class TorchTrainerBackend:
             indent=2,
         )
         with _atomic_dir(Path(path)) as tmp:
-            safetensors.torch.save_model(self.model, str(tmp / MODEL_FILE))
+            self.policy.save_weights(tmp / MODEL_FILE)
             torch.save(
                 {
                     "optimizer": self.optimizer.state_dict(),
@@ -525,11 +609,7 @@ class TorchTrainerBackend:
             raise ValueError(
                 f"{path}: checkpoint format {state.get('format')!r}, expected {CHECKPOINT_FORMAT}"
             )
-        missing, unexpected = safetensors.torch.load_model(
-            self.model, str(path / MODEL_FILE), strict=True, device=str(self.device)
-        )
-        if missing or unexpected:
-            raise ValueError(f"{path}: weights do not fit the model: {missing=} {unexpected=}")
+        self.policy.load_weights(path / MODEL_FILE, self.device)
         opt = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(opt["optimizer"])
         self.scheduler.load_state_dict(opt["scheduler"])
@@ -538,17 +618,13 @@ class TorchTrainerBackend:
         return data_position
 
     def save_hf(self, path: str | Path) -> None:
-        """Write a HF model folder (safetensors, config, tokenizer) atomically, fp32 weights.
-
-        An engine loads it with `/update_weights_from_disk`. The file holds the checkpoint
-        layout transformers writes (for the Omni thinker, `visual.…` rather than the in-memory
-        `model.visual.…`), which `from_pretrained` maps back.
-        """
+        """Write a HF model folder (safetensors, config, tokenizer) atomically, fp32 weights
+        (`PolicyModel.save_hf`). An engine loads it with `/update_weights_from_disk`."""
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         with _atomic_dir(Path(path)) as tmp:
-            self.model.save_pretrained(tmp)  # type: ignore[operator]
+            self.policy.save_hf(tmp)
             tokenizer.save_pretrained(tmp)
 
 

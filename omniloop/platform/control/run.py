@@ -244,11 +244,11 @@ async def actor_roles(
     from omniloop.platform.data import DataPlane
     from omniloop.platform.dcs import make_weight_sync
     from omniloop.platform.dcs.coordinator import WeightCoordinator
-    from omniloop.trainer.torch_backend import TorchTrainerBackend
+    from omniloop.trainer.backend import make_backend
 
     seed_everything(config.seed)
     async with contextlib.AsyncExitStack() as stack:
-        backend = await asyncio.to_thread(TorchTrainerBackend, config.model, config.trainer)
+        backend = await asyncio.to_thread(make_backend, config.model, config.trainer)
         if data is None:
             data = DataPlane.start()
             stack.callback(data.close)

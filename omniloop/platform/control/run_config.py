@@ -22,6 +22,9 @@ from omniloop.platform.control.staleness import MaxStaleness
 from omniloop.platform.dcs.config import WeightSyncConfig
 from omniloop.trainer.config import TrainerConfig
 
+STALE_TIS_CAP = 2.0
+"""`trainer.loss.tis_cap` of a run with `max_staleness` above 0 that sets none."""
+
 
 class DataPlaneSettings(StrictModel):
     """The data plane (TransferQueue on the run's Ray cluster)."""
@@ -140,7 +143,9 @@ class RunConfig(StrictModel):
     max_staleness: MaxStaleness = 1
     """How many optimizer steps the weights that sampled a trained token may lag behind the
     trainer: 0 is on-policy (rollout and training alternate), `k` lets rollouts run up to `k`
-    steps ahead of training, `inf` is fully asynchronous."""
+    steps ahead of training, `inf` is fully asynchronous. Above 0, the trainer corrects for
+    samples of older weights by truncated importance sampling (`trainer.loss.tis_cap`, 2 unless
+    set; `null` turns it off)."""
     checkpoint_every: int = Field(default=5, ge=1)
     """Save a checkpoint every this many steps (and always after the last one)."""
     keep_checkpoints: int = Field(default=2, ge=1)
@@ -179,6 +184,18 @@ class RunConfig(StrictModel):
     run_id: str | None = Field(default=None, min_length=1, max_length=64)
     """Id of the run in the database and in every trajectory id (so ids never clash across
     runs); None makes a new one. It is kept in `RUN_DIR/run_id`, and `--resume` reuses it."""
+
+    @model_validator(mode="after")
+    def _correct_stale_samples(self) -> RunConfig:
+        # Tokens sampled by weights up to `max_staleness` steps old are trained by the current
+        # policy: their loss is weighted by min(pi_trainer / pi_sampler, cap), the truncated
+        # importance sampling that also absorbs engine/trainer numeric mismatch. A cap keeps
+        # the variance bounded; 2 is the value the TIS write-up and slime use.
+        loss = self.trainer.loss
+        if self.max_staleness != 0 and "tis_cap" not in loss.model_fields_set:
+            corrected = loss.model_copy(update={"tis_cap": STALE_TIS_CAP})
+            self.trainer = self.trainer.model_copy(update={"loss": corrected})
+        return self
 
     @model_validator(mode="after")
     def _derive_rollout(self) -> RunConfig:

@@ -1,9 +1,13 @@
-"""TorchTrainerBackend on the tiny random Llama: alignment, invariances, learning, checkpoints."""
+"""The trainer backends' contract, on the tiny random Llama, for each `trainer.backend` (the
+Hugging Face model and megatron-core's `GPTModel`): alignment, invariances, learning,
+checkpoints, exported weights."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,9 +20,26 @@ from omniloop.trainer.config import AdvantageConfig, LossConfig, TrainerConfig
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trajectory import TrajectoryBuilder, TrajectoryMeta
 
+BackendFactory = Callable[..., TorchTrainerBackend]
 
-def backend(**config: object) -> TorchTrainerBackend:
-    return TorchTrainerBackend("tiny", TrainerConfig.model_validate({"device": "cpu", **config}))
+
+@pytest.fixture(params=["torch", "megatron"])
+def backend(request: pytest.FixtureRequest) -> BackendFactory:
+    """`backend(**trainer_config)`: a trainer of the tiny model with the parametrized policy."""
+
+    def build(**config: object) -> TorchTrainerBackend:
+        settings = {"device": "cpu", "backend": request.param, **config}
+        return TorchTrainerBackend("tiny", TrainerConfig.model_validate(settings))
+
+    return build
+
+
+def checkpointing(b: TorchTrainerBackend) -> bool:
+    """Whether the policy recomputes activations in the backward pass."""
+    model: Any = b.model
+    if b.config.backend == "megatron":
+        return bool(model.gpt.config.recompute_granularity == "full")
+    return bool(model.is_activation_checkpointing)
 
 
 def grads(b: TorchTrainerBackend) -> dict[str, torch.Tensor]:
@@ -35,11 +56,13 @@ def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         torch.testing.assert_close(a[name], b[name], msg=name, **tol)  # type: ignore[arg-type]
 
 
-def test_implements_the_protocol() -> None:
+def test_implements_the_protocol(backend: BackendFactory) -> None:
     assert isinstance(backend(), TrainerBackend)
 
 
-def test_logprobs_are_aligned_to_the_token_they_score(tiny_model: Path, make_batch) -> None:
+def test_logprobs_are_aligned_to_the_token_they_score(
+    backend: BackendFactory, tiny_model: Path, make_batch
+) -> None:
     batch = make_batch([12])
     ids = batch.input_ids[0]
     hf = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
@@ -53,7 +76,7 @@ def test_logprobs_are_aligned_to_the_token_they_score(tiny_model: Path, make_bat
     torch.testing.assert_close(got[0], torch.tensor(manual), atol=1e-5, rtol=0)
 
 
-def test_padding_does_not_change_a_sequences_logprobs(make_batch) -> None:
+def test_padding_does_not_change_a_sequences_logprobs(backend: BackendFactory, make_batch) -> None:
     b = backend(micro_batch_size=4)
     batch = make_batch([9, 23, 15], seed=3)
     together = b.logprobs(batch)
@@ -64,7 +87,9 @@ def test_padding_does_not_change_a_sequences_logprobs(make_batch) -> None:
 
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batching_gives_the_full_batch_gradient(make_batch, aggregation: str) -> None:
+def test_micro_batching_gives_the_full_batch_gradient(
+    backend: BackendFactory, make_batch, aggregation: str
+) -> None:
     batch = make_batch([10, 19, 7, 14], advantages=[1.0, -0.5, 2.0, -1.5], seed=5)
     results = []
     for micro in (4, 2, 1):
@@ -82,7 +107,9 @@ def test_micro_batching_gives_the_full_batch_gradient(make_batch, aggregation: s
         assert metrics["actor/entropy"] == pytest.approx(full_metrics["actor/entropy"], rel=1e-5)
 
 
-def test_train_step_raises_probability_of_positive_advantage_tokens(make_batch) -> None:
+def test_train_step_raises_probability_of_positive_advantage_tokens(
+    backend: BackendFactory, make_batch
+) -> None:
     b = backend(lr=1e-3, micro_batch_size=2)
     batch = make_batch([12, 16, 10], seed=7)
     before = b.logprobs(batch)
@@ -97,7 +124,9 @@ def test_train_step_raises_probability_of_positive_advantage_tokens(make_batch) 
     assert b.version == 3
 
 
-def test_tokens_outside_the_loss_mask_do_not_affect_the_update(make_batch) -> None:
+def test_tokens_outside_the_loss_mask_do_not_affect_the_update(
+    backend: BackendFactory, make_batch
+) -> None:
     batch = make_batch([11, 14], advantages=[1.0, -1.0], seed=9)
     outside = batch.loss_mask == 0
     garbage = batch.replace(
@@ -113,6 +142,7 @@ def test_tokens_outside_the_loss_mask_do_not_affect_the_update(make_batch) -> No
 
 
 def test_only_trained_tokens_pass_the_output_layer_and_the_gradient_is_unchanged(
+    backend: BackendFactory,
     make_batch,
 ) -> None:
     """The step scores the loss-masked tokens alone (`Scorer.token_logits`); its gradient is
@@ -151,7 +181,9 @@ def test_only_trained_tokens_pass_the_output_layer_and_the_gradient_is_unchanged
     assert_same_tensors(got, grads(whole), atol=1e-5, rtol=1e-4)
 
 
-def test_save_then_load_restores_weights_optimizer_and_version(tmp_path: Path, make_batch) -> None:
+def test_save_then_load_restores_weights_optimizer_and_version(
+    backend: BackendFactory, tmp_path: Path, make_batch
+) -> None:
     batch = make_batch([10, 13], advantages=[1.0, -1.0], seed=11)
     a = backend(lr=1e-3, warmup_steps=5)
     a.train_step(batch)
@@ -176,7 +208,9 @@ def test_save_then_load_restores_weights_optimizer_and_version(tmp_path: Path, m
     assert_same_tensors(dict(a.named_weights()), dict(b.named_weights()), atol=0.0, rtol=0.0)
 
 
-def test_save_hf_writes_a_folder_transformers_loads(tmp_path: Path, make_batch) -> None:
+def test_save_hf_writes_a_folder_transformers_loads(
+    backend: BackendFactory, tmp_path: Path, make_batch
+) -> None:
     b = backend(lr=1e-3)
     b.train_step(make_batch([9, 12]))
     b.save_hf(tmp_path / "hf")
@@ -190,7 +224,9 @@ def test_save_hf_writes_a_folder_transformers_loads(tmp_path: Path, make_batch) 
     )
 
 
-def test_bf16_autocast_trains_over_fp32_weights(make_batch) -> None:
+# megatron refuses bf16, and gradient checkpointing on the CPU (test_megatron_backend.py).
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_bf16_autocast_trains_over_fp32_weights(backend: BackendFactory, make_batch) -> None:
     batch = make_batch([10, 14], seed=13)
     b = backend(dtype="bf16", lr=1e-3)
     fp32_logprobs = backend().logprobs(batch)
@@ -204,7 +240,9 @@ def test_bf16_autocast_trains_over_fp32_weights(make_batch) -> None:
     assert all(p.dtype == torch.float32 for p in b.model.parameters())
 
 
-def test_kl_against_a_frozen_copy_of_the_initial_policy(make_batch) -> None:
+def test_kl_against_a_frozen_copy_of_the_initial_policy(
+    backend: BackendFactory, make_batch
+) -> None:
     batch = make_batch([10, 12], seed=15)
     b = backend(lr=1e-3, loss={"kl_coef": 0.1, "kl_type": "k3"})
     initial = b.logprobs(batch)
@@ -215,14 +253,14 @@ def test_kl_against_a_frozen_copy_of_the_initial_policy(make_batch) -> None:
     torch.testing.assert_close(b.ref_logprobs(batch), initial, atol=0.0, rtol=0.0)
 
 
-def test_external_reference_requires_ref_logprobs(make_batch) -> None:
+def test_external_reference_requires_ref_logprobs(backend: BackendFactory, make_batch) -> None:
     b = backend(loss={"kl_coef": 0.1}, reference="external")
     assert b.reference is None
     with pytest.raises(ValueError, match="ref_logprobs"):
         b.train_step(make_batch([8]))
 
 
-def test_non_finite_gradient_skips_the_step(make_batch) -> None:
+def test_non_finite_gradient_skips_the_step(backend: BackendFactory, make_batch) -> None:
     batch = make_batch([10])
     poisoned = batch.replace(
         advantages=batch.advantages.masked_fill(batch.loss_mask.bool(), math.nan)
@@ -235,20 +273,21 @@ def test_non_finite_gradient_skips_the_step(make_batch) -> None:
     assert_same_tensors(before, dict(b.named_weights()), atol=0.0, rtol=0.0)
 
 
-def test_gradient_checkpointing_gives_the_same_gradient(make_batch) -> None:
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_gradient_checkpointing_gives_the_same_gradient(
+    backend: BackendFactory, make_batch
+) -> None:
     batch = make_batch([10, 15], advantages=[1.0, -1.0], seed=17)
     results = []
-    for checkpointing in (False, True):
-        b = backend(
-            gradient_checkpointing=checkpointing, grad_clip=None, loss={"entropy_coef": 0.01}
-        )
-        assert b.model.is_activation_checkpointing is checkpointing
+    for recompute in (False, True):
+        b = backend(gradient_checkpointing=recompute, grad_clip=None, loss={"entropy_coef": 0.01})
+        assert checkpointing(b) is recompute
         b.train_step(batch)
         results.append(grads(b))
     assert_same_tensors(results[0], results[1], atol=1e-6, rtol=1e-5)
 
 
-def test_trains_on_trajectories_and_reports_staleness() -> None:
+def test_trains_on_trajectories_and_reports_staleness(backend: BackendFactory) -> None:
     trajs = []
     for i, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
         builder = TrajectoryBuilder([1, 100 + i, 200])
@@ -270,13 +309,13 @@ def test_trains_on_trajectories_and_reports_staleness() -> None:
     assert b.version == 3
 
 
-def test_empty_loss_mask_is_refused(make_batch) -> None:
+def test_empty_loss_mask_is_refused(backend: BackendFactory, make_batch) -> None:
     batch = make_batch([6])
     with pytest.raises(ValueError, match="no loss-masked tokens"):
         backend().train_step(batch.replace(loss_mask=torch.zeros_like(batch.loss_mask)))
 
 
-def test_loss_config_reaches_the_objective(make_batch) -> None:
+def test_loss_config_reaches_the_objective(backend: BackendFactory, make_batch) -> None:
     # A TIS cap with rollout logprobs far below the trainer's caps every weight.
     batch = make_batch([10, 12], seed=19)
     b = backend(loss=LossConfig(tis_cap=1.5).model_dump())

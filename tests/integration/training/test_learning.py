@@ -2,7 +2,9 @@
 
 One real run per staleness setting (on-policy, and rollouts up to two steps ahead), the first
 with the roles in this process, the second through the role services (the trainer's learning is
-the same code either way; each mode is seen learning once): the CPU engine serves the
+the same code either way; each mode is seen learning once), and a third with megatron-core's
+`GPTModel` as the policy (`trainer.backend=megatron`, one step ahead, services): the CPU engine
+serves the
 warm-started tiny model over HTTP, every tool call runs in a bwrap sandbox,
 trajectories travel through TransferQueue, the torch trainer takes one optimizer step per
 rollout step and the engine loads its weights after each. The warm-started policy picks the
@@ -36,17 +38,22 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 @dataclass
 class ToyRun:
     max_staleness: int
+    backend: str
     run_dir: Path
     metrics: list[dict[str, Any]]
     trained: list[dict[str, Any]]
 
 
-@pytest.fixture(scope="module", params=[0, 2], ids=["staleness-0", "staleness-2"])
+@pytest.fixture(
+    scope="module",
+    params=[(0, "torch"), (2, "torch"), (1, "megatron")],
+    ids=["staleness-0", "staleness-2", "megatron-staleness-1"],
+)
 def toy_run(
     request: pytest.FixtureRequest, toy_config: Any, tmp_path_factory: pytest.TempPathFactory
 ) -> ToyRun:
-    bound = int(request.param)
-    run_dir = tmp_path_factory.mktemp(f"learn-s{bound}")
+    bound, backend = request.param
+    run_dir = tmp_path_factory.mktemp(f"learn-{backend}-s{bound}")
     mode = "in_process" if bound == 0 else "services"
     config = toy_config(
         run_dir,
@@ -55,12 +62,12 @@ def toy_run(
             "steps": STEPS,
             "checkpoint_every": STEPS,
             "services.mode": mode,
+            "trainer.backend": backend,
         },
     )
     asyncio.run(run(config))
-    return ToyRun(
-        bound, run_dir, read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "trained.jsonl")
-    )
+    metrics, trained = read_jsonl(run_dir / "metrics.jsonl"), read_jsonl(run_dir / "trained.jsonl")
+    return ToyRun(bound, backend, run_dir, metrics, trained)
 
 
 def test_reward_rises_from_chance_to_above_0_8(toy_run: ToyRun) -> None:
@@ -136,6 +143,7 @@ def test_the_run_its_metrics_and_its_episodes_are_in_the_database(toy_run: ToyRu
         record = store.get_run(run_id)
         assert record.status == "completed"
         assert record.config["max_staleness"] == toy_run.max_staleness
+        assert record.config["trainer"]["backend"] == toy_run.backend
         rewards = store.get_metrics(run_id, ["reward/mean"])["reward/mean"]
         assert [(p.step, p.value) for p in rewards] == [
             (step, m["reward/mean"]) for step, m in enumerate(toy_run.metrics)

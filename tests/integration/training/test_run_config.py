@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[3]
 CONFIGS = [
     REPO / "examples" / "toy_tool" / "train.yaml",
     REPO / "examples" / "calculator" / "train.yaml",
+    REPO / "examples" / "omni" / "train.yaml",
+    REPO / "examples" / "omni" / "learn.yaml",
 ]
 
 
@@ -63,6 +65,22 @@ def test_max_staleness_is_a_non_negative_integer_or_inf(value: str) -> None:
     with pytest.raises(ConfigError):
         load_config(RunConfig, CONFIGS[0], [f"max_staleness={value}"])
     assert load_config(RunConfig, CONFIGS[0], ["max_staleness=inf"]).max_staleness == "inf"
+
+
+def test_stale_samples_are_corrected_by_truncated_importance_sampling_unless_told_not_to(
+    tmp_path: Path,
+) -> None:
+    def tis_cap(*overrides: str) -> float | None:
+        return load_config(RunConfig, CONFIGS[0], list(overrides)).trainer.loss.tis_cap
+
+    assert tis_cap("max_staleness=0") is None
+    assert tis_cap("max_staleness=1") == tis_cap("max_staleness=inf") == 2.0
+    assert tis_cap("max_staleness=2", "trainer.loss.tis_cap=null") is None
+    assert tis_cap("max_staleness=2", "trainer.loss.tis_cap=3") == 3.0
+    # The saved config holds the cap, so a resumed run keeps it.
+    saved = tmp_path / "config.yaml"
+    saved.write_text(config_yaml(load_config(RunConfig, CONFIGS[0], ["max_staleness=2"])))
+    assert load_config(RunConfig, saved, ["max_staleness=0"]).trainer.loss.tis_cap == 2.0
 
 
 def test_tasks_cycle_by_data_position() -> None:

@@ -1,0 +1,109 @@
+"""Trainer backends side by side: step time and peak memory, the Hugging Face model
+(`trainer.backend=torch`) against megatron-core's `GPTModel` (`trainer.backend=megatron`).
+
+The same batch (8 rows of 128 tokens, the last 96 trained, fixed seed) and model (`--model`,
+default `smollm2`, fp32, one thread) for each backend, each in a process of its own so that its
+peak resident memory is its own: one warm-up step, then the median of `--steps` timed
+`train_step`s. The backends alternate (torch, megatron, torch, megatron) and each one's time is
+the median of its rounds, so a change in the machine's load between them shows in both.
+
+`megatron_tp2_step_s` is null: the megatron backend runs one rank (tensor parallelism is not
+built yet).
+
+Prints ONE JSON line: `torch_step_s`, `megatron_tp1_step_s`, `megatron_tp2_step_s`,
+`megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb`.
+
+    .venv/bin/python bench/trainer_backends.py [--model smollm2] [--steps 3] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def one(backend: str, model: str, steps: int) -> dict[str, float]:
+    """Time `steps` train steps of `backend` in this process (after a warm-up step)."""
+    import torch
+
+    from omniloop.trainer.batch import TrainBatch
+    from omniloop.trainer.config import TrainerConfig
+    from omniloop.trainer.torch_backend import TorchTrainerBackend
+
+    torch.set_num_threads(1)
+    rows, length, prompt = 8, 128, 32
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40_000, (rows, length), generator=gen)
+    loss_mask = torch.zeros(rows, length)
+    loss_mask[:, prompt:] = 1
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones(rows, length, dtype=torch.long),
+        loss_mask=loss_mask,
+        rollout_logprobs=torch.zeros(rows, length),
+        advantages=torch.linspace(-1, 1, rows)[:, None] * loss_mask,
+    )
+    config = TrainerConfig.model_validate(
+        {"backend": backend, "lr": 1e-5, "micro_batch_size": rows, "device": "cpu"}
+    )
+    trainer = TorchTrainerBackend(model, config)
+    trainer.train_step(batch)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        trainer.train_step(batch)
+        times.append(time.perf_counter() - started)
+    peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"step_s": statistics.median(times), "peak_gb": peak_gb}
+
+
+def run_one(backend: str, model: str, steps: int) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--one", backend, "--model", model, "--steps", str(steps)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    parser.add_argument("--rounds", type=int, default=2, help="processes per backend")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.model, args.steps)))
+        return
+    results: dict[str, list[dict[str, float]]] = {"torch": [], "megatron": []}
+    for _ in range(args.rounds):
+        for backend in results:
+            results[backend].append(run_one(backend, args.model, args.steps))
+    step = {b: statistics.median(r["step_s"] for r in rs) for b, rs in results.items()}
+    peak = {b: max(r["peak_gb"] for r in rs) for b, rs in results.items()}
+    print(
+        json.dumps(
+            {
+                "bench": "trainer_backends",
+                "model": args.model,
+                "torch_step_s": round(step["torch"], 3),
+                "megatron_tp1_step_s": round(step["megatron"], 3),
+                "megatron_tp2_step_s": None,
+                "megatron_over_torch": round(step["megatron"] / step["torch"], 3),
+                "torch_peak_gb": round(peak["torch"], 2),
+                "megatron_peak_gb": round(peak["megatron"], 2),
+                "batch": "8x128 (96 trained)",
+                "load_avg_1m": round(os.getloadavg()[0], 2),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

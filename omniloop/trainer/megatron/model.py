@@ -1,0 +1,263 @@
+"""A Hugging Face Llama / Qwen2 model as megatron-core's `GPTModel`, behind the call the trainer
+makes of a Hugging Face model.
+
+`MegatronPolicy.load(path)` builds the `GPTModel` from the folder's config (`convert`), loads its
+weights, and wraps it in `MegatronCausalLM`, whose `forward(input_ids=, attention_mask=)`
+returns an object with `.logits` `(B, T, V)`: what `TorchTrainerBackend`'s scorer and loss call.
+Weights leave in Hugging Face names (`hf_weights`), so engines load them as they load the torch
+backend's, and `save_hf` writes a folder an engine or `from_pretrained` reads.
+
+Attention: right-padded rows, positions from 0, one causal mask for the batch (a real token
+never attends to a later padding token, so padding changes nothing that is scored). The mask is
+always passed explicitly (megatron's default mask is built on CUDA).
+
+Tensor parallelism (`tensor_parallel` ranks, no pipeline stages): each rank holds its part of
+every split weight (`convert.shard`); the rows of one batch go through all ranks together, and
+the logits come out whole on each (`parallel_output=False`), so the loss is computed as with
+one rank. The ranks' processes must already form the world (one process group of
+`tensor_parallel` ranks, e.g. gloo on the CPU, NCCL on GPUs) and call every method in lock
+step: `hf_weights` gathers the parts from all ranks. With one rank, a world of one (gloo, over a
+file in a temporary folder) is made unless the process already has one. The gradient norm
+counts each split weight's parts once across ranks and each whole weight once
+(`clip_grad_norm`). Checkpoints (`save_weights`) are of one rank only.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from omniloop.errors import ConfigError
+from omniloop.trainer.megatron import cpu_shims
+from omniloop.trainer.megatron.convert import (
+    GPTShape,
+    gpt_shape,
+    rope_parameters,
+    shard,
+    split_dim,
+    to_hf,
+    to_megatron,
+    transformer_config,
+    unshard,
+)
+
+_group_lock = threading.Lock()
+
+
+@dataclass
+class CausalLMOutput:
+    logits: Tensor
+
+
+def ensure_model_parallel(tensor_parallel: int = 1) -> None:
+    """Megatron's model-parallel state for `tensor_parallel` ranks, if not there yet (module
+    docstring); ConfigError when the process's world does not fit."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with _group_lock:
+        if not dist.is_initialized():
+            if tensor_parallel != 1:
+                raise ConfigError(
+                    f"trainer.megatron.tensor_parallel={tensor_parallel} needs a process per "
+                    "rank, joined in one process group, and this process has none; the run's "
+                    "actor is one process for now: use tensor_parallel=1"
+                )
+            store = Path(tempfile.mkdtemp(prefix="omniloop-megatron-")) / "store"
+            dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        if not parallel_state.model_parallel_is_initialized():
+            if dist.get_world_size() % tensor_parallel:
+                raise ConfigError(
+                    f"trainer.megatron.tensor_parallel={tensor_parallel} does not divide the "
+                    f"world of {dist.get_world_size()} processes"
+                )
+            parallel_state.initialize_model_parallel(tensor_parallel, 1)
+        elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
+            raise ConfigError(
+                f"trainer.megatron.tensor_parallel={tensor_parallel}, but this process already "
+                f"runs {parallel_state.get_tensor_model_parallel_world_size()} ranks"
+            )
+
+
+class MegatronCausalLM(nn.Module):
+    """`GPTModel` called as a Hugging Face causal LM is (module docstring)."""
+
+    def __init__(self, gpt: nn.Module, shape: GPTShape) -> None:
+        super().__init__()
+        self.gpt = gpt
+        self.shape = shape
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        use_cache: bool = False,
+        **media: Any,
+    ) -> CausalLMOutput:
+        if media:
+            raise ValueError(
+                f"trainer.backend=megatron trains text models; these rows carry media inputs "
+                f"({', '.join(sorted(media))}): use trainer.backend=torch"
+            )
+        batch, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device)
+        mask = torch.triu(causal, diagonal=1)[None, None]  # True: not attended
+        logits: Tensor = self.gpt(input_ids, positions, mask)
+        return CausalLMOutput(logits=logits)
+
+
+@dataclass
+class MegatronPolicy:
+    """The policy module of `trainer.backend=megatron` (module docstring)."""
+
+    module: MegatronCausalLM
+    hf_config: Any
+    tensor_parallel: int = 1
+
+    @classmethod
+    def load(
+        cls, path: Path, *, gradient_checkpointing: bool = False, tensor_parallel: int = 1
+    ) -> MegatronPolicy:
+        """Build the `GPTModel` of the Hugging Face folder `path` and load this rank's part of
+        its weights.
+
+        `gradient_checkpointing`: megatron's full recompute, one layer at a time (it saves and
+        restores CUDA RNG states, so it needs a GPU)."""
+        import safetensors.torch
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from transformers import AutoConfig
+
+        if not torch.cuda.is_available():
+            if gradient_checkpointing:
+                raise ConfigError(
+                    "trainer.gradient_checkpointing with trainer.backend=megatron needs a GPU "
+                    "(megatron's recompute saves CUDA RNG states); set it false on the CPU"
+                )
+            cpu_shims.install()
+        ensure_model_parallel(tensor_parallel)
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        hf_config = AutoConfig.from_pretrained(path)
+        shape = gpt_shape(hf_config)
+        recompute = (
+            {"recompute_granularity": "full", "recompute_method": "uniform"}
+            | {"recompute_num_layers": 1}
+            if gradient_checkpointing
+            else {}
+        )
+        gpt = GPTModel(
+            transformer_config(hf_config, tensor_model_parallel_size=tensor_parallel, **recompute),
+            get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=hf_config.vocab_size,
+            max_sequence_length=hf_config.max_position_embeddings,
+            share_embeddings_and_output_weights=shape.tied,
+            position_embedding_type="rope",
+            rotary_base=int(rope_parameters(hf_config)["rope_theta"]),
+            parallel_output=False,  # whole logits on every rank: the loss is a rank's own
+        )
+        hf_state: dict[str, Tensor] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            hf_state.update(safetensors.torch.load_file(str(file)))
+        if shape.tied:
+            hf_state.pop("lm_head.weight", None)
+        whole = to_megatron(hf_state, shape)
+        parts = {name: shard(name, t, rank, tensor_parallel) for name, t in whole.items()}
+        missing, unexpected = gpt.load_state_dict(parts, strict=False)
+        missing = [k for k in missing if not k.endswith("._extra_state")]
+        if missing or unexpected:
+            raise ValueError(f"{path}: weights do not fit the GPTModel: {missing=} {unexpected=}")
+        return cls(MegatronCausalLM(gpt, shape).eval(), hf_config, tensor_parallel)
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The whole weights under Hugging Face names, detached (each tied tensor once),
+        gathered from every rank."""
+        return to_hf(self._whole_weights(), self.module.shape)
+
+    def _whole_weights(self) -> dict[str, Tensor]:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        local = {k: v.detach() for k, v in self.module.gpt.named_parameters()}
+        if self.tensor_parallel == 1:
+            return local
+        group = parallel_state.get_tensor_model_parallel_group()
+        whole = {}
+        for name, part in local.items():
+            if split_dim(name) is None:
+                whole[name] = part
+                continue
+            parts = [torch.empty_like(part) for _ in range(self.tensor_parallel)]
+            dist.all_gather(parts, part.contiguous(), group=group)
+            whole[name] = unshard(name, parts)
+        return whole
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Scale the gradients so that their global norm is at most `max_norm`; the norm before.
+
+        With several ranks, a split weight's squared norm is summed over its parts (one per
+        rank) and a whole weight's is counted once (every rank holds the same gradient)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        split = torch.zeros((), dtype=torch.float64)
+        whole = torch.zeros((), dtype=torch.float64)
+        for param in params:
+            squared = param.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
+            if getattr(param, "tensor_model_parallel", False):
+                split += squared
+            else:
+                whole += squared
+        if self.tensor_parallel > 1:
+            group = parallel_state.get_tensor_model_parallel_group()
+            dist.all_reduce(split, group=group)
+        norm = float((split + whole).sqrt())
+        if math.isfinite(norm) and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for param in params:
+                param.grad.detach().mul_(scale)  # type: ignore[union-attr]
+        return norm
+
+    def save_hf(self, folder: Path) -> None:
+        """Write the weights (`model.safetensors`) and config into `folder`."""
+        import safetensors.torch
+
+        weights = {name: t.contiguous() for name, t in self.hf_weights()}
+        safetensors.torch.save_file(weights, str(folder / "model.safetensors"), {"format": "pt"})
+        self.hf_config.save_pretrained(folder)
+
+    def save_weights(self, file: Path) -> None:
+        """The parameters under megatron's names (its `_extra_state` entries hold nothing).
+        One rank's: ConfigError with several (their checkpoints are not built yet)."""
+        import safetensors.torch
+
+        if self.tensor_parallel != 1:
+            raise ConfigError(
+                "checkpoints of trainer.backend=megatron with tensor_parallel > 1 are not "
+                "supported yet; checkpoint with tensor_parallel=1"
+            )
+        weights = {name: p.detach().contiguous() for name, p in self.module.named_parameters()}
+        safetensors.torch.save_file(weights, str(file))
+
+    def load_weights(self, file: Path, device: torch.device) -> None:
+        import safetensors.torch
+
+        saved = safetensors.torch.load_file(str(file), device=str(device))
+        params = dict(self.module.named_parameters())
+        if saved.keys() != params.keys():
+            missing, unexpected = sorted(params.keys() - saved), sorted(saved.keys() - params)
+            raise ValueError(f"{file}: weights do not fit the model: {missing=} {unexpected=}")
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(saved[name])

@@ -1,0 +1,166 @@
+"""`trainer.backend=megatron`: megatron-core's `GPTModel` built from Hugging Face Llama and Qwen2
+folders by our own mapping (`trainer/megatron/convert.py`), on the CPU, fp32.
+
+The contract every backend keeps (alignment, micro-batching, checkpoints, exported weights) is in
+`test_trainer_backends.py`; here: the mapping is exact both ways and the logits are Hugging
+Face's, a step moves the weights as the torch backend's does, two tensor-parallel ranks score
+and train as one, the CPU engine serves the exported weights with the trainer's own greedy
+tokens, and what megatron cannot do here is refused by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pydantic
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from omniloop.errors import ConfigError
+from omniloop.inference.core import EngineCore
+from omniloop.inference.generation import GenerationRequest
+from omniloop.inference.models import resolve_model
+from omniloop.trainer.config import TrainerConfig
+from omniloop.trainer.megatron.convert import gpt_shape, to_hf, to_megatron
+from omniloop.trainer.megatron.model import MegatronPolicy
+from omniloop.trainer.torch_backend import TorchTrainerBackend
+
+EXACT = 1e-5
+"""fp32 tolerance for the same quantity computed by the two implementations."""
+
+
+@pytest.fixture(scope="module")
+def qwen2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2: q/k/v biases, grouped-query attention, separate output weights."""
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # random biases, so that a wrong bias layout shows
+        for name, param in model.named_parameters():
+            if name.endswith("_proj.bias"):
+                param.normal_(0, 0.5)
+    folder = tmp_path_factory.mktemp("qwen2") / "model"
+    model.save_pretrained(folder)
+    return folder
+
+
+def trainer(model: str | Path, backend: str, **config: object) -> TorchTrainerBackend:
+    settings = {"device": "cpu", "backend": backend, "lr": 1e-3, **config}
+    return TorchTrainerBackend(model, TrainerConfig.model_validate(settings))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_logits_are_hugging_faces_and_the_mapping_is_exact_both_ways(
+    family: str, qwen2_model: Path
+) -> None:
+    folder = resolve_model("tiny") if family == "llama" else qwen2_model
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    policy = MegatronPolicy.load(folder)
+    ids = torch.randint(
+        0, hf.config.vocab_size, (3, 21), generator=torch.Generator().manual_seed(2)
+    )
+    with torch.no_grad():
+        ours = policy.module(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        theirs = hf(input_ids=ids).logits
+    assert (ours - theirs).abs().max() < EXACT
+
+    state = {n: p.detach() for n, p in hf.named_parameters()}
+    shape = gpt_shape(hf.config)
+    back = dict(to_hf(to_megatron(state, shape), shape))
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[name], state[name]) for name in state)
+    assert dict(policy.hf_weights()).keys() == state.keys()
+
+
+def test_a_step_moves_the_weights_as_the_torch_backends_step(make_batch) -> None:
+    batch = make_batch([11, 17, 6, 14], advantages=[1.0, -0.5, 0.7, -1.2], seed=21)
+    torch_backend, megatron = trainer("tiny", "torch"), trainer("tiny", "megatron")
+    assert (torch_backend.logprobs(batch) - megatron.logprobs(batch)).abs().max() < EXACT
+    for _ in range(2):
+        a, b = torch_backend.train_step(batch), megatron.train_step(batch)
+        # megatron's norm sums in float64, torch's in float32.
+        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
+        assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-6)
+    after = dict(megatron.named_weights())
+    for name, weight in torch_backend.named_weights():
+        torch.testing.assert_close(after[name], weight, atol=EXACT, rtol=0, msg=name)
+    assert (torch_backend.logprobs(batch) - megatron.logprobs(batch)).abs().max() < EXACT
+
+
+def test_the_engine_serves_the_exported_weights_with_the_trainers_greedy_tokens(
+    tmp_path: Path, make_batch
+) -> None:
+    megatron = trainer("tiny", "megatron", lr=1e-2)
+    for _ in range(3):
+        megatron.train_step(make_batch([12, 9], advantages=[1.0, -1.0], seed=23))
+    megatron.save_hf(tmp_path / "hf")
+
+    prompt = [1, 42, 7, 1999, 314, 15]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            tokens = torch.tensor([ids])
+            logits = megatron.model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits
+            ids.append(int(logits[0, -1].argmax()))
+    engine = EngineCore(tmp_path / "hf", max_batch=2, max_context=64, threads=1)
+    engine.start()
+    try:
+        request = GenerationRequest(input_ids=prompt, max_new_tokens=8, temperature=0.0)
+        result = engine.submit(request).result(timeout=120)
+    finally:
+        engine.shutdown()
+    assert result.output_ids == ids[len(prompt) :]
+
+
+def test_what_megatron_cannot_do_here_is_refused_by_name(make_batch) -> None:
+    with pytest.raises(ConfigError, match="qwen2_5_omni_thinker"):
+        trainer("tiny-omni", "megatron")
+    with pytest.raises(pydantic.ValidationError, match="fp32"):
+        TrainerConfig(backend="megatron", dtype="bf16")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="gradient_checkpointing"):
+            trainer("tiny", "megatron", gradient_checkpointing=True)
+    batch = make_batch([8])
+    with_media = batch.replace(media_inputs=({"pixel_values": torch.zeros(4, 8)},))
+    with pytest.raises(ValueError, match="media"):
+        trainer("tiny", "megatron").logprobs(with_media)
+
+
+def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(tmp_path: Path) -> None:
+    """Two processes over gloo, each holding half of every split weight, against one."""
+    script = Path(__file__).with_name("tp_ranks.py")
+    spec = importlib.util.spec_from_file_location("tp_ranks", script)
+    assert spec is not None
+    assert spec.loader is not None
+    ranks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ranks)
+    one = ranks.run(1)
+
+    out = tmp_path / "rank0.pt"
+    store = tmp_path / "store"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), "2", str(store), str(out)])
+        for r in range(2)
+    ]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    two = torch.load(out, weights_only=False)
+
+    for key in ("before", "after"):
+        assert (two[key] - one[key]).abs().max() < EXACT, key
+    assert two["grad_norms"] == pytest.approx(one["grad_norms"], rel=1e-5)
+    assert two["weights"].keys() == one["weights"].keys()
+    for name, weight in one["weights"].items():
+        torch.testing.assert_close(two["weights"][name], weight, atol=EXACT, rtol=0, msg=name)
+
+
+def test_tensor_parallel_ranks_need_a_process_each() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel=2"):
+        trainer("tiny", "megatron", megatron={"tensor_parallel": 2})
