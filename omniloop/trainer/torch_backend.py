@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import safetensors.torch
 import torch
@@ -232,6 +232,17 @@ def _decoder(model: nn.Module) -> nn.Module | None:
     return decoder if isinstance(decoder, nn.Module) else None
 
 
+@runtime_checkable
+class SelectiveHead(Protocol):
+    """A model that runs its output layer on chosen positions only."""
+
+    def logits_at(
+        self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor, positions: Tensor
+    ) -> Tensor:
+        """`(N, V)` logits at `(rows, positions)` of the batch `input_ids`."""
+        ...
+
+
 class Scorer:
     """Forward passes under a trainer config: autocast per `dtype`, logprobs scored in
     micro-batches of `micro_batch_size` (the policy's and the reference's alike)."""
@@ -279,8 +290,12 @@ class Scorer:
         logits and their gradients, page-faulted in afresh every step. Models whose output is
         more than a projection of the decoder's last hidden state (logit soft-capping) run
         whole and are sliced. The decoder is the base model (`_decoder`), which takes the media
-        inputs as the whole model does.
+        inputs as the whole model does. A model that picks its own rows (`SelectiveHead`, e.g.
+        megatron's) is asked for them.
         """
+        if isinstance(model, SelectiveHead):
+            with self._autocast():
+                return model.logits_at(batch.input_ids, batch.attention_mask, rows, positions - 1)
         hf: Any = model
         decoder = _decoder(model)
         head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None

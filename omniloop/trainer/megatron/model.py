@@ -92,7 +92,7 @@ class MegatronCausalLM(nn.Module):
 
     def __init__(self, gpt: nn.Module, shape: GPTShape) -> None:
         super().__init__()
-        self.gpt = gpt
+        self.gpt: Any = gpt  # megatron-core is untyped
         self.shape = shape
 
     def forward(
@@ -107,12 +107,34 @@ class MegatronCausalLM(nn.Module):
                 f"trainer.backend=megatron trains text models; these rows carry media inputs "
                 f"({', '.join(sorted(media))}): use trainer.backend=torch"
             )
-        batch, length = input_ids.shape
-        positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
-        causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device)
-        mask = torch.triu(causal, diagonal=1)[None, None]  # True: not attended
-        logits: Tensor = self.gpt(input_ids, positions, mask)
+        logits: Tensor = self.gpt(*_positions_and_mask(input_ids))
         return CausalLMOutput(logits=logits)
+
+    def logits_at(
+        self, input_ids: Tensor, attention_mask: Tensor, rows: Tensor, positions: Tensor
+    ) -> Tensor:
+        """`(N, V)` logits at `(rows, positions)`, only those through the output layer (the
+        trainer's `SelectiveHead`): in RL most tokens are not trained, and over a large
+        vocabulary the output layer is most of a step's compute and memory."""
+        # With `post_process` off, GPTModel returns the decoder's output (final norm included)
+        # instead of running its output layer: the same forward up to the logits.
+        self.gpt.post_process = False
+        try:
+            hidden: Tensor = self.gpt(*_positions_and_mask(input_ids))  # (T, B, H)
+        finally:
+            self.gpt.post_process = True
+        picked = hidden[positions, rows][:, None, :]  # (N, 1, H): N sequences of one token
+        weight = self.gpt.shared_embedding_or_output_weight() if self.shape.tied else None
+        logits, _ = self.gpt.output_layer(picked, weight=weight, runtime_gather_output=True)
+        return logits[:, 0, :]
+
+
+def _positions_and_mask(input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """GPTModel's inputs for right-padded rows: ids, positions from 0, the causal mask."""
+    batch, length = input_ids.shape
+    positions = torch.arange(length, device=input_ids.device).expand(batch, -1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=input_ids.device)
+    return input_ids, positions, torch.triu(causal, diagonal=1)[None, None]  # True: masked
 
 
 @dataclass
