@@ -134,20 +134,32 @@ def test_what_megatron_cannot_do_here_is_refused_by_name(make_batch) -> None:
         trainer("tiny", "megatron").logprobs(with_media)
 
 
-def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(tmp_path: Path) -> None:
+def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(tmp_path: Path, make_batch) -> None:
     """Two processes over gloo, each holding half of every split weight, against one."""
+    batch = make_batch([13, 9, 17], advantages=[1.0, -0.7, 0.4], seed=31)
+    torch.save(batch, tmp_path / "batch.pt")
     script = Path(__file__).with_name("tp_ranks.py")
     spec = importlib.util.spec_from_file_location("tp_ranks", script)
     assert spec is not None
     assert spec.loader is not None
     ranks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ranks)
-    one = ranks.run(1)
+    one = ranks.run(1, batch)
 
     out = tmp_path / "rank0.pt"
     store = tmp_path / "store"
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), "2", str(store), str(out)])
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(script),
+                str(r),
+                "2",
+                str(store),
+                str(tmp_path / "batch.pt"),
+                str(out),
+            ]
+        )
         for r in range(2)
     ]
     assert [p.wait(timeout=300) for p in procs] == [0, 0]
