@@ -168,6 +168,12 @@ class MegatronPolicy:
             cpu_shims.install()
         ensure_model_parallel(tensor_parallel)
         from megatron.core import parallel_state
+        from megatron.core import tensor_parallel as megatron_tp
+
+        if torch.cuda.is_available():
+            # Megatron forks its CUDA RNG tracker around attention (and saves its states for
+            # recomputation); the tracker needs its states seeded first.
+            megatron_tp.model_parallel_cuda_manual_seed(0)
 
         rank = parallel_state.get_tensor_model_parallel_rank()
         hf_config = AutoConfig.from_pretrained(path)
