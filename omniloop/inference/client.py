@@ -6,6 +6,10 @@ It talks to omniloop's CPU engine and to real SGLang alike (same paths and field
 once: a failed `/generate` raises `EngineHTTPError` carrying the status and body, and a
 transport failure raises `EngineError`.
 
+Media go as SGLang takes them, in one of two forms (`media_encoder`): base64 files (the
+default, `media_fields`), or `processor_output` dicts processed on the client's side
+(`ProcessorOutputFields`), the form SGLang keeps `input_ids` verbatim with.
+
 `generate` always asks for logprobs, because a trajectory needs one per sampled token.
 SGLang's `weight_version` is a string; it is parsed to an int ("default", SGLang's initial
 value, reads as 0; anything else that is not an integer is an `EngineError`).
@@ -13,10 +17,14 @@ value, reads as 0; anything else that is not an integer is an `EngineError`).
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import httpx
 from tenacity import (
@@ -36,7 +44,8 @@ from omniloop.inference.protocol import (
     UpdateWeightsFromTcpReqOutput,
     parse_weight_version,
 )
-from omniloop.modalities.media import MediaData
+from omniloop.modalities.media import MediaData, MediaKind
+from omniloop.modalities.processing import MediaProcessor, ProcessedMedia, processor_output
 
 
 class EngineHTTPError(EngineError):
@@ -106,7 +115,15 @@ def parse_generate_output(data: Any) -> GenerateOutput:
     )
 
 
-def media_fields(media: Sequence[MediaData]) -> dict[str, list[str]]:
+class MediaEncoder(Protocol):
+    """Turns a prompt's media into `/generate`'s `image_data`, `audio_data`, `video_data`."""
+
+    def __call__(self, media: Sequence[MediaData]) -> dict[str, Any]:
+        """The fields for `media` (in block order); none when `media` is empty."""
+        ...
+
+
+def media_fields(media: Sequence[MediaData]) -> dict[str, Any]:
     """SGLang's `/generate` media fields for `media`: `image_data`, `audio_data`,
     `video_data`, each a list of base64 `data:` URIs in the order given (absent when empty)."""
     fields: dict[str, list[str]] = {}
@@ -114,6 +131,41 @@ def media_fields(media: Sequence[MediaData]) -> dict[str, list[str]]:
         uri = "data:application/octet-stream;base64," + base64.b64encode(item.data).decode()
         fields.setdefault(f"{item.kind}_data", []).append(uri)
     return fields
+
+
+class ProcessorOutputFields:
+    """`MediaEncoder` of SGLang's `processor_output` form: each kind's items processed here by
+    the model family's processor and sent as one dict of the processor's fields (nested
+    lists). The engine then uses `input_ids` verbatim, SGLang included, and processes
+    nothing; the body is larger (a 30 s audio item is 384,000 floats). Processing is cached by
+    content hash (the `cache_items` most recent items), since each turn resends every item of
+    the episode so far. Thread-safe."""
+
+    def __init__(self, processor: MediaProcessor, cache_items: int = 64) -> None:
+        self.processor = processor
+        self._cache: OrderedDict[str, ProcessedMedia] = OrderedDict()
+        self._cache_items = cache_items
+        self._lock = threading.Lock()
+
+    def __call__(self, media: Sequence[MediaData]) -> dict[str, Any]:
+        by_kind: dict[MediaKind, list[ProcessedMedia]] = {}
+        for item in media:
+            by_kind.setdefault(item.kind, []).append(self._processed(item))
+        return {f"{kind}_data": processor_output(items) for kind, items in by_kind.items()}
+
+    def _processed(self, item: MediaData) -> ProcessedMedia:
+        key = f"{item.kind}:{hashlib.sha256(item.data).hexdigest()}"
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        processed = self.processor.process(item.kind, item.data, label=f"{item.kind} item")
+        with self._lock:
+            self._cache[key] = processed
+            while len(self._cache) > self._cache_items:
+                self._cache.popitem(last=False)
+        return processed
 
 
 class EngineClient:
@@ -130,9 +182,12 @@ class EngineClient:
         *,
         retries: int = 3,
         transport: httpx.AsyncBaseTransport | None = None,
+        media_encoder: MediaEncoder = media_fields,
     ) -> None:
+        """`media_encoder`: the form media are sent in (module docstring)."""
         self.base_url = base_url.rstrip("/")
         self._retries = retries
+        self._media_encoder = media_encoder
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
@@ -195,15 +250,16 @@ class EngineClient:
     ) -> GenerateOutput:
         """Sample a continuation of `input_ids` (see `base.Engine`); `EngineError` on failure.
 
-        Media travel as base64 `data:` URIs in SGLang's `image_data`, `audio_data` and
-        `video_data` lists (one list per kind, in block order), next to the already expanded
-        `input_ids`."""
+        Media travel in SGLang's `image_data`, `audio_data` and `video_data` (in block order,
+        in the client's `media_encoder` form; encoded off the event loop), next to the
+        already expanded `input_ids`. `MediaError` if an item cannot be processed."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_to_wire(sampling),
             "return_logprob": True,
         }
-        body.update(media_fields(media))
+        if media:
+            body.update(await asyncio.to_thread(self._media_encoder, media))
         response = self._check("/generate", await self._send("POST", "/generate", body))
         return parse_generate_output(response.json())
 

@@ -6,6 +6,11 @@ clients name: expose it only to trusted clients). URLs are refused (nothing is f
 bytes go through the model family's processor (`modalities.families.processor_for`, built
 from the engine's `MediaConfig`) on a small thread pool, never on the event loop.
 
+Or a prompt's items of one kind arrive already processed, as SGLang's one `processor_output`
+dict (`modalities.processing`): the family's processor splits and checks it instead. As in
+SGLang, a prompt's media come all as files or all as `processor_output` dicts, never mixed;
+`precomputed_embedding` dicts are refused.
+
 `input_ids` are used verbatim, never re-tokenized: every item's placeholder block must already
 be in them, expanded (`MediaTokens.block`: begin marker, as many placeholder ids as the
 processor makes of the item, end marker), in the order the items were sent, per kind.
@@ -22,6 +27,7 @@ import binascii
 import concurrent.futures
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from omniloop.errors import MediaError
 from omniloop.modalities import (
@@ -31,9 +37,11 @@ from omniloop.modalities import (
     ProcessedMedia,
     read_source,
 )
+from omniloop.modalities.processing import PROCESSOR_OUTPUT
 
-MediaItem = tuple[MediaKind, str]
-"""One item of a request: its kind and its source as sent."""
+MediaItem = tuple[MediaKind, str | dict[str, Any]]
+"""One item of a request: its kind and its source as sent, or one `processor_output` dict
+holding all of the prompt's items of that kind."""
 
 
 def _pads(tokens: MediaTokens) -> dict[int, MediaKind]:
@@ -168,14 +176,44 @@ class MediaPreparer:
 
     def process(self, items: Sequence[MediaItem], where: str = "") -> tuple[ProcessedMedia, ...]:
         """Read and process `items` on the calling thread; `MediaError` naming the item."""
+        dicts = [kind for kind, source in items if not isinstance(source, str)]
+        if dicts:
+            return self._split(items, where)
         out = []
         seen: dict[MediaKind, int] = {}
         for kind, source in items:
+            assert isinstance(source, str)
             index = seen.get(kind, 0)
             seen[kind] = index + 1
             label = f"{where}{kind} {index}"
             data = source_bytes(source, self.max_bytes, label)
             out.append(self.processor.process(kind, data, label=label))
+        return tuple(out)
+
+    def _split(self, items: Sequence[MediaItem], where: str) -> tuple[ProcessedMedia, ...]:
+        """The items of a prompt whose media come as `processor_output` dicts, one per kind."""
+        out: list[ProcessedMedia] = []
+        kinds: set[MediaKind] = set()
+        for kind, source in items:
+            label = f"{where}{kind}_data"
+            if isinstance(source, str):
+                raise MediaError(
+                    f"{where}media mix files and processor_output dicts: send all of a "
+                    "prompt's media one way (as SGLang requires)"
+                )
+            form = source.get("format")
+            if form != PROCESSOR_OUTPUT:
+                raise MediaError(
+                    f"{label}: a media dict needs format {PROCESSOR_OUTPUT!r} (got {form!r}); "
+                    "precomputed embeddings are not supported"
+                )
+            if kind in kinds:
+                raise MediaError(
+                    f"{label}: one processor_output dict holds all of a prompt's {kind} items; "
+                    "got several"
+                )
+            kinds.add(kind)
+            out += self.processor.split_processor_output(kind, source, label=label)
         return tuple(out)
 
     async def prepare(

@@ -11,9 +11,10 @@ Where this engine differs, it says so instead of guessing:
 - Media (`image_data`, `audio_data`, `video_data`, for a model that takes them) go with
   `input_ids` used verbatim: each item's placeholder block must already be expanded in them
   (as many placeholder ids as the engine's processor makes of the item), which SGLang only
-  requires of pre-processed items. Items are `data:` URIs, base64 or file paths; URLs and
-  pre-processed dicts (`format: processor_output`) are rejected. `use_audio_in_video` must be
-  false; `modalities` is accepted and ignored.
+  requires of pre-processed items. Items are `data:` URIs, base64 or file paths, or, per kind
+  and prompt, one pre-processed dict (`format: processor_output`, the processor's fields as
+  nested lists); URLs and `precomputed_embedding` dicts are rejected. `use_audio_in_video`
+  must be false; `modalities` is accepted and ignored.
 - A field SGLang accepts but this engine does not implement is rejected with 400, unless it is
   sent with its neutral value (`stream: false`, `n: 1`, `repetition_penalty: 1.0`, ...).
 - `weight_version` is a string in SGLang's JSON; here it always holds an integer counter
@@ -173,10 +174,14 @@ class SamplingParamsInput(_Wire):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-MediaField = str | list[str | list[str] | None] | None
+MediaSource = str | dict[str, Any]
+"""One item (a `data:` URI, base64, or a file path), or one `processor_output` dict holding
+all of a prompt's items of a kind."""
+
+MediaField = MediaSource | list[MediaSource | list[MediaSource] | None] | None
 """SGLang's `image_data` / `audio_data` / `video_data`: for one prompt an item or a list of
 items; for a batch an item for every prompt, or a list with an entry (an item, a list of
-items, or null) per prompt. An item is a `data:` URI, base64, or a file path."""
+items, or null) per prompt (`MediaSource`)."""
 
 
 class GenerateReqInput(_Wire):
@@ -245,10 +250,10 @@ class GenerateReqInput(_Wire):
                     raise ValueError(f"{name} is a list but input_ids is a single prompt")
             for kind in MediaKind:
                 value = getattr(self, f"{kind}_data")
-                if isinstance(value, list) and any(not isinstance(v, str) for v in value):
+                if isinstance(value, list) and any(not isinstance(v, str | dict) for v in value):
                     raise ValueError(
                         f"{kind}_data of a single prompt is an item or a list of items "
-                        "(strings), not a list of lists or nulls"
+                        "(strings or processor_output dicts), not a list of lists or nulls"
                     )
         return self
 
@@ -273,19 +278,19 @@ class GenerateReqInput(_Wire):
         rl = self.return_logprob
         return bool(rl[i] if isinstance(rl, list) else rl)
 
-    def item_media(self, i: int) -> list[tuple[MediaKind, str]]:
+    def item_media(self, i: int) -> list[tuple[MediaKind, MediaSource]]:
         """Prompt `i`'s media items: its images, then its audio, then its videos, each kind
         in the order sent (the order of that kind's blocks in its `input_ids`)."""
-        items: list[tuple[MediaKind, str]] = []
+        items: list[tuple[MediaKind, MediaSource]] = []
         for kind in MediaKind:
             value = getattr(self, f"{kind}_data")
-            if value is None or isinstance(value, str):
-                entry: str | list[str] | None = value  # one item for every prompt
+            if value is None or isinstance(value, str | dict):
+                entry: MediaSource | list[MediaSource] | None = value  # the same for every prompt
             elif not self.is_batch:
-                entry = [v for v in value if isinstance(v, str)]
+                entry = [v for v in value if isinstance(v, str | dict)]
             else:
                 entry = value[i] if value else None
-            if isinstance(entry, str):
+            if isinstance(entry, str | dict):
                 items.append((kind, entry))
             elif entry is not None:
                 items.extend((kind, source) for source in entry)

@@ -23,13 +23,13 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
 from omniloop.errors import EngineError
 from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
-from omniloop.inference.client import EngineClient
+from omniloop.inference.client import EngineClient, MediaEncoder, media_fields
 from omniloop.modalities.media import MediaData
 
 log = logging.getLogger(__name__)
@@ -57,8 +57,11 @@ class EngineRouter:
         wait_s: float = 120.0,
         set_aside_s: float = 10.0,
         timeout_s: float = 600.0,
+        media_encoder: MediaEncoder = media_fields,
     ) -> None:
+        """`media_encoder`: the form its clients send media in (`EngineClient`)."""
         self._rotation = rotation
+        self._media_encoder = media_encoder
         self._refresh_s = refresh_s
         self._wait_s = wait_s
         self._set_aside_s = set_aside_s
@@ -73,7 +76,7 @@ class EngineRouter:
         """Session key -> the URL of its engine."""
 
     @classmethod
-    def over(cls, urls: Sequence[str], **kwargs: float) -> EngineRouter:
+    def over(cls, urls: Sequence[str], **kwargs: Any) -> EngineRouter:
         """A router over a fixed list of engines."""
         fixed = list(urls)
 
@@ -189,7 +192,9 @@ class EngineRouter:
     def _client(self, url: str) -> EngineClient:
         client = self._clients.get(url)
         if client is None:
-            client = self._clients[url] = EngineClient(url, timeout=self._timeout_s)
+            client = self._clients[url] = EngineClient(
+                url, timeout=self._timeout_s, media_encoder=self._media_encoder
+            )
         return client
 
 

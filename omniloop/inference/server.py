@@ -2,11 +2,11 @@
 
 Endpoints (methods as SGLang's `http_server.py`):
 - `POST|PUT /generate`: `input_ids` single or batched → one result object or a list. With a
-  model that takes media, SGLang's `image_data`, `audio_data` and `video_data` too: each item
-  is read and processed off the event loop (`media_input.MediaPreparer`, by the model
-  family's processor built from `EngineServerConfig.media`) and must match its placeholder
-  block in `input_ids` (`media_input.check_placeholders`); `input_ids` are never
-  re-tokenized.
+  model that takes media, SGLang's `image_data`, `audio_data` and `video_data` too (files, or
+  pre-processed `processor_output` dicts): each item is read and processed off the event
+  loop (`media_input.MediaPreparer`, by the model family's processor built from
+  `EngineServerConfig.media`) and must match its placeholder block in `input_ids`
+  (`media_input.check_placeholders`); `input_ids` are never re-tokenized.
 - `GET /health`: 200 while the scheduler runs, 503 otherwise (cheap; no forward pass).
 - `GET /health_generate`: queues a 1-token greedy generation; 200 as soon as it, or any other
   forward pass, completes; 503 if none does within 20 s. While generation is paused, or a
@@ -204,10 +204,12 @@ def create_app(core: EngineCore, media: MediaConfig | None = None) -> FastAPI:
                 "input: send input_ids alone, or serve a model that takes media "
                 "(e.g. tiny-omni)"
             )
-        # Blocks against items first: a mismatch is refused before anything is decoded.
+        # Blocks against items first: a mismatch is refused before anything is decoded (a
+        # processor_output dict's items are counted once it is split, in `core.validate`).
         for prompt, its, prefix in zip(prompts, items, where, strict=True):
             blocks = placeholder_blocks(prompt, core.media_tokens)
-            check_counts(blocks, [kind for kind, _ in its], prefix)
+            if all(isinstance(source, str) for _, source in its):
+                check_counts(blocks, [kind for kind, _ in its], prefix)
         calls = [preparer.prepare(its, prefix) for its, prefix in zip(items, where, strict=True)]
         return list(await asyncio.gather(*calls))
 

@@ -6,10 +6,17 @@ placeholder tokens stand for it in the token stream. Token ids are then *assembl
 re-tokenized: `MediaTokens.block` gives the ids of one item's placeholder block
 (`<|vision_bos|>` + `<|IMAGE|>` × n + `<|vision_eos|>` for Qwen-Omni), which the chat format puts
 between text segments encoded once.
+
+The same tensors may also travel to an engine already processed, as SGLang's
+`processor_output` items: one dict per kind and prompt, `format: "processor_output"` beside
+the Hugging Face processor's fields with every item of that kind concatenated along dim 0
+(`processor_output` builds it; a family's `MediaProcessor.split_processor_output` takes it
+apart again, checking it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +48,14 @@ class MediaProcessor(Protocol):
 
     def process(self, kind: MediaKind, data: bytes, *, label: str) -> ProcessedMedia:
         """Decode and preprocess one item; `MediaError` (naming `label`) if it cannot be."""
+        ...
+
+    def split_processor_output(
+        self, kind: MediaKind, fields: Mapping[str, Any], *, label: str
+    ) -> list[ProcessedMedia]:
+        """The items of one `processor_output` dict of `kind` (its fields as JSON values or
+        tensors), in order; `MediaError` naming `label` for a field that is missing, of the
+        wrong shape or type, or beyond the bounds `process` keeps to."""
         ...
 
 
@@ -97,3 +112,18 @@ def concat_inputs(items: list[ProcessedMedia]) -> dict[str, torch.Tensor]:
         for key, tensor in item.inputs.items():
             keyed.setdefault(key, []).append(tensor)
     return {key: torch.cat(tensors, dim=0) for key, tensors in keyed.items()}
+
+
+PROCESSOR_OUTPUT = "processor_output"
+"""SGLang's `format` of a media dict that holds processor fields instead of a file."""
+
+
+def processor_output(items: Sequence[ProcessedMedia]) -> dict[str, Any]:
+    """SGLang's `processor_output` dict of `items` (all of one kind, in order), JSON-ready:
+    each field concatenated along dim 0 and written as nested lists (float32 values survive
+    JSON exactly)."""
+    kinds = {item.kind for item in items}
+    if len(kinds) != 1:
+        raise ValueError(f"a processor_output dict holds items of one kind, got {kinds or 'none'}")
+    fields = {key: tensor.tolist() for key, tensor in concat_inputs(list(items)).items()}
+    return {"format": PROCESSOR_OUTPUT, **fields}

@@ -321,12 +321,13 @@ class EpisodeWorker:
         from omniloop.agents.media import media_resolver
         from omniloop.inference.client import EngineClient
         from omniloop.inference.models import load_tokenizer, resolve_model
-        from omniloop.platform.control.rollout import engine_url, sandbox_pool
+        from omniloop.platform.control.rollout import engine_url, media_encoder, sandbox_pool
 
         tokenizer = await asyncio.to_thread(load_tokenizer, self.settings.engine.model)
+        model_folder = resolve_model(self.settings.engine.model)
         media = await asyncio.to_thread(
             media_resolver,
-            resolve_model(self.settings.engine.model),
+            model_folder,
             tokenizer,
             self.settings.media,
             Path(self.settings.media_dir),
@@ -340,9 +341,10 @@ class EpisodeWorker:
             }
 
         chats = await asyncio.to_thread(chat_formats)
+        encoder = media_encoder(self.settings.engine, model_folder, self.settings.media)
         async with (
             engine_url(self.settings.engine, media=self.settings.media) as url,
-            EngineClient(url) as engine,
+            EngineClient(url, media_encoder=encoder) as engine,
             sandbox_pool(self.settings.sandbox) as pool,
         ):
             try:

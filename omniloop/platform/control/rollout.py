@@ -16,9 +16,15 @@ from typing import Any
 from omniloop.agents.base import Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.agents.media import media_resolver
-from omniloop.inference.client import EngineClient
+from omniloop.inference.client import (
+    EngineClient,
+    MediaEncoder,
+    ProcessorOutputFields,
+    media_fields,
+)
 from omniloop.inference.models import load_tokenizer, resolve_model
 from omniloop.modalities.config import MediaConfig
+from omniloop.modalities.families import processor_for
 from omniloop.platform.control.components import (
     build_agent,
     build_rewards,
@@ -55,6 +61,14 @@ async def engine_url(
         media=media,
     ) as url:
         yield url
+
+
+def media_encoder(config: EngineConfig, model_folder: Path, media: MediaConfig) -> MediaEncoder:
+    """The form the rollout sends media to its engines in (`EngineConfig.media_form`)."""
+    processor = processor_for(model_folder, media)
+    if config.media_form == "files" or processor is None:
+        return media_fields
+    return ProcessorOutputFields(processor)
 
 
 def write_trajectory(stream: Any, trajectory: Trajectory) -> None:
@@ -116,15 +130,16 @@ async def run_rollout(config: RolloutConfig) -> list[Trajectory]:
     plan = list(episode_plan(config, tasks))
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    media = media_resolver(
-        resolve_model(config.engine.model), tokenizer, config.media, output.parent / "media"
-    )
+    model_folder = resolve_model(config.engine.model)
+    media = media_resolver(model_folder, tokenizer, config.media, output.parent / "media")
     limit = asyncio.Semaphore(config.concurrency)
     results: list[Trajectory] = []
 
     async with (
         engine_url(config.engine, log_dir=output.parent, media=config.media) as url,
-        EngineClient(url) as engine,
+        EngineClient(
+            url, media_encoder=media_encoder(config.engine, model_folder, config.media)
+        ) as engine,
         sandbox_pool(config.sandbox, log_dir=output.parent) as pool,
     ):
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
@@ -24,6 +24,12 @@ class EngineConfig(StrictModel):
     """Torch threads of the local engine; None lets it choose."""
     startup_timeout: float = 300.0
     """Seconds to wait for a local engine to become healthy."""
+    media_form: Literal["files", "processor_output"] = "files"
+    """How media go to the engine: `files` sends each item's encoded file (the engine
+    processes it; SGLang then decodes `input_ids` to text and re-tokenizes them, so its ids
+    may drift from the trajectory's); `processor_output` sends SGLang's pre-processed dicts,
+    processed on the rollout's side, with which SGLang and omniloop's engine use `input_ids`
+    verbatim (larger requests)."""
 
 
 def _resolve_path(value: str, info: ValidationInfo) -> str:

@@ -197,14 +197,17 @@ async def episode_runner(
     from omniloop.inference.models import load_tokenizer, resolve_model
     from omniloop.platform.control.components import build_agent, build_rewards, load_tasks
     from omniloop.platform.control.local import EpisodeRunner
-    from omniloop.platform.control.rollout import sandbox_pool
+    from omniloop.platform.control.rollout import media_encoder, sandbox_pool
     from omniloop.platform.data import DataPlane
     from omniloop.platform.store import AsyncStore
 
     agent = build_agent(config.rollout.agent)
     async with contextlib.AsyncExitStack() as stack:
         if isinstance(engine, str):
-            engine = await stack.enter_async_context(EngineClient(engine))
+            encoder = media_encoder(
+                config.rollout.engine, resolve_model(config.model), config.rollout.media
+            )
+            engine = await stack.enter_async_context(EngineClient(engine, media_encoder=encoder))
         if sandboxes is None:
             sandboxes = await stack.enter_async_context(
                 sandbox_pool(config.rollout.sandbox, log_dir=Path(config.run_dir))

@@ -134,8 +134,10 @@ class RolloutServer:
     # Serve awaits an async constructor; mypy knows no such thing.
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
         enter_run_folder(cwd, paths)
+        from omniloop.inference.models import resolve_model
         from omniloop.inference.router import EngineRouter
         from omniloop.platform.control.reward_service import remote_rewards
+        from omniloop.platform.control.rollout import media_encoder
         from omniloop.platform.control.run import episode_runner
         from omniloop.platform.control.sandbox_service import ServiceSandboxes
 
@@ -147,7 +149,10 @@ class RolloutServer:
             return urls
 
         # Requests go to the engines the actor's coordinator has given the current weights.
-        engine = EngineRouter(rotation, wait_s=config.services.engine_wait_s)
+        encoder = media_encoder(
+            config.rollout.engine, resolve_model(config.model), config.rollout.media
+        )
+        engine = EngineRouter(rotation, wait_s=config.services.engine_wait_s, media_encoder=encoder)
         self._stack.push_async_callback(engine.aclose)
         sandboxes = ServiceSandboxes(
             serve.get_app_handle("sandbox"), config.rollout.sandbox, config.services.sandbox_wait_s

@@ -29,8 +29,10 @@ import pytest
 import torch
 
 from omniloop.agents.chat import ChatFormat
+from omniloop.inference.base import SamplingParams
+from omniloop.inference.client import EngineClient, ProcessorOutputFields
 from omniloop.inference.models import load_omni_model, load_tokenizer, resolve_model
-from omniloop.modalities import MediaKind, ProcessedMedia, concat_inputs, synth
+from omniloop.modalities import MediaData, MediaKind, ProcessedMedia, concat_inputs, synth
 from omniloop.modalities.qwen_omni import QwenOmniProcessor
 from omniloop.platform.dcs import WeightSyncConfig, make_weight_sync
 
@@ -185,6 +187,72 @@ async def test_data_uris_bare_base64_and_file_paths_give_the_same_output(
         }
         outputs.append(await generate(omni_http, payload))
     assert outputs[0] == outputs[1] == outputs[2]
+
+
+def processor_output_fields(omni: Omni, p: Prompt) -> dict[str, Any]:
+    """SGLang's `processor_output` form of the prompt's media, as the rollout sends it."""
+    return ProcessorOutputFields(omni.processor)([MediaData(kind=k, data=d) for k, d in p.media])
+
+
+async def test_processor_output_dicts_give_what_the_files_give(
+    omni_url: str, omni_http: httpx.AsyncClient, omni: Omni
+) -> None:
+    p = all_three(omni)
+    sampling = {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    files = await generate(omni_http, {**body(p), "sampling_params": sampling})
+    dicts = processor_output_fields(omni, p)
+    assert all(v["format"] == "processor_output" for v in dicts.values())
+    payload = {"input_ids": p.ids, "sampling_params": sampling, "return_logprob": True, **dicts}
+    assert await generate(omni_http, payload) == files
+    # The same through the client, each kind's dict wrapped in a list as SGLang also takes it.
+    wrapped = {key: [value] for key, value in dicts.items()}
+    assert await generate(omni_http, {**payload, **wrapped}) == files
+    # In a batch, an entry per prompt: its dict, or null for a text-only prompt.
+    text_only = prompt(omni, "Only words.", [])
+    batch = {
+        "input_ids": [p.ids, text_only.ids],
+        "sampling_params": sampling,
+        "return_logprob": True,
+        **{key: [value, None] for key, value in dicts.items()},
+    }
+    response = await omni_http.post("/generate", json=batch)
+    assert response.status_code == 200, response.text
+    first = response.json()[0]["meta_info"]["output_token_logprobs"]
+    assert ([t for _, t, _ in first], [lp for lp, _, _ in first]) == files
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7)
+    media = [MediaData(kind=k, data=d) for k, d in p.media]
+    encoder = ProcessorOutputFields(omni.processor)
+    async with EngineClient(omni_url, media_encoder=encoder) as client:
+        out = await client.generate(p.ids, params, media)
+    async with EngineClient(omni_url) as client:
+        sent_as_files = await client.generate(p.ids, params, media)
+    assert out.output_ids
+    assert out.output_ids == sent_as_files.output_ids
+    assert out.output_logprobs == sent_as_files.output_logprobs
+
+
+async def test_processor_output_dicts_that_do_not_fit_are_refused(
+    omni_http: httpx.AsyncClient, omni: Omni
+) -> None:
+    p = all_three(omni)
+    dicts = processor_output_fields(omni, p)
+    files = p.fields()
+    base = {"input_ids": p.ids, "sampling_params": {"max_new_tokens": 2}}
+    mixed = {**base, **dicts, "audio_data": files["audio_data"]}
+    assert "mix files and processor_output dicts" in await rejected(omni_http, mixed)
+    embedded = {**base, **dicts, "image_data": {"format": "precomputed_embedding", "feature": []}}
+    message = await rejected(omni_http, embedded)
+    assert message.startswith("image_data: a media dict needs format 'processor_output'")
+    twice = {**base, **dicts, "video_data": [dicts["video_data"]] * 2}
+    assert "got several" in await rejected(omni_http, twice)
+    # A dict of another image than the one whose block the ids hold.
+    other = prompt(omni, "x", [(MediaKind.IMAGE, synth.solid_png(200, 120))])
+    swapped = {**base, **dicts, "image_data": processor_output_fields(omni, other)["image_data"]}
+    message = await rejected(omni_http, swapped)
+    assert message.startswith("image 0: its placeholder block has")
+    grid = {**dicts["image_data"], "image_grid_thw": [[1, 3, 4]]}
+    message = await rejected(omni_http, {**base, **dicts, "image_data": grid})
+    assert message.startswith("image_data: image 0's grid [1, 3, 4] is not one the processor")
 
 
 def mixed_prompts(omni: Omni) -> list[tuple[Prompt, int]]:

@@ -5,7 +5,9 @@ whose weights go back to the engine after every step.
 
 What this checks is the plumbing, not learning: every episode's media are placed where their
 blocks sit, the engine samples with them (no `media_error`, no engine error), every trained
-row is trained once, and the per-modality metrics are recorded.
+row is trained once, and the per-modality metrics are recorded. The rollout sends media as
+SGLang's `processor_output` dicts here (`rollout.engine.media_form`); the learning tests send
+files.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def omni_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "rollout.sampling.max_new_tokens=6",
         "rollout.samples_per_task=2",
         "tasks_per_step=6",
+        "rollout.engine.media_form=processor_output",
     ]
     config = load_config(RunConfig, CONFIG, overrides)
     asyncio.run(run(config))
