@@ -1,0 +1,233 @@
+"""The gateway's HTTP API: OpenAI's `/v1/chat/completions` and `/v1/models`, and sessions.
+
+Routes (an OpenAI client's `base_url` is `http://HOST:PORT/v1`, or `.../v1/sessions/ID` to put
+its calls in session `ID`):
+- `POST /v1/chat/completions`, `POST /v1/sessions/{id}/chat/completions`: a completion, or with
+  `stream: true` server-sent chunks (`data: {...}` lines, then `data: [DONE]`). The session is
+  the path's, else the `X-Omniloop-Session` header's, else a new one; the answer names it in
+  the `X-Omniloop-Session` header. Beside OpenAI's fields a choice carries `token_ids` (the
+  sampled ids) and the response `omniloop` (session, segments, weight version).
+- `GET /v1/models`, `GET /v1/sessions/{id}/models`.
+- `GET /v1/sessions/{id}`: the session's prefix-stability counts and its segments as
+  trajectories; `DELETE` the same, and forgets the session.
+
+With a token, every route needs `Authorization: Bearer <token>` (an OpenAI client's
+`api_key`). Errors are OpenAI's shape, `{"error": {"message", "type", "code"}}`: 400 for a
+request the gateway cannot take (the message names the field), 401, 404 for an unknown
+session, 502 when the engine fails, 503 with `Retry-After` when it aborted the request.
+
+Streaming sends the reply once it is sampled, in pieces: each token's text (or, for a reply
+with tool calls, its content and then each call), with the same ids and text as a
+non-streaming call with the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from omniloop.errors import EngineError
+from omniloop.gateway.completions import Choice, ContextLengthError, EngineAborted, Gateway
+from omniloop.gateway.openai_wire import ChatCompletionRequest
+
+SESSION_HEADER = "X-Omniloop-Session"
+
+
+def _error(
+    status: int, message: str, kind: str, code: str | None = None, **headers: str
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "code": code, "param": None}}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
+def _logprobs(choice: Choice, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    pairs = zip(choice.token_texts[start:end], choice.logprobs[start:end], strict=True)
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in pairs
+        ]
+    }
+
+
+def _message(choice: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+    if choice.tool_calls:
+        message["tool_calls"] = choice.tool_calls
+    return message
+
+
+def _usage(choices: list[Choice]) -> dict[str, int]:
+    prompt = choices[0].prompt_tokens
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _extension(choices: list[Choice], session: str) -> dict[str, Any]:
+    return {
+        "session": session,
+        "segments": [c.segment for c in choices],
+        "weight_version": max(c.weight_version for c in choices),
+    }
+
+
+def completion_body(
+    gateway: Gateway, request: ChatCompletionRequest, choices: list[Choice], session: str
+) -> dict[str, Any]:
+    """The non-streaming response."""
+    return {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": gateway.model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": _message(c),
+                "finish_reason": c.finish_reason,
+                "logprobs": _logprobs(c) if request.logprobs else None,
+                "token_ids": c.token_ids,
+            }
+            for c in choices
+        ],
+        "usage": _usage(choices),
+        "omniloop": _extension(choices, session),
+    }
+
+
+def stream_chunks(
+    gateway: Gateway, request: ChatCompletionRequest, choices: list[Choice], session: str
+) -> list[dict[str, Any]]:
+    """The streamed response's chunks, in order (module docstring)."""
+    base = {
+        "id": "chatcmpl-" + secrets.token_hex(12),
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": gateway.model,
+    }
+
+    def chunk(index: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {**base, "choices": [{**choice, **extra}]}
+
+    chunks = []
+    for c in choices:
+        chunks.append(chunk(c.index, {"role": "assistant", "content": ""}))
+        if c.tool_calls:
+            if c.content:
+                chunks.append(chunk(c.index, {"content": c.content}))
+            for i, call in enumerate(c.tool_calls):
+                chunks.append(chunk(c.index, {"tool_calls": [{"index": i, **call}]}))
+        else:
+            # Each token's text, up to the content (a cut stop string is not sent).
+            sent = 0
+            wanted = c.content or ""
+            for i, text in enumerate(c.token_texts):
+                piece = wanted[sent : sent + len(text)] if sent < len(wanted) else ""
+                sent += len(piece)
+                extra = {"logprobs": _logprobs(c, i, i + 1)} if request.logprobs else {}
+                delta = {"content": piece}
+                chunks.append(chunk(c.index, delta, token_ids=[c.token_ids[i]], **extra))
+        final: dict[str, Any] = {"finish_reason": c.finish_reason}
+        if request.logprobs and c.tool_calls:
+            final["logprobs"] = _logprobs(c)
+        chunks.append(chunk(c.index, {}, **final))
+    last = {**base, "choices": [], "omniloop": _extension(choices, session)}
+    if request.include_usage:
+        last["usage"] = _usage(choices)
+    chunks.append(last)
+    return chunks
+
+
+def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI:
+    """The gateway's FastAPI application (module docstring)."""
+    app = FastAPI(title="omniloop gateway", version="1")
+
+    @app.middleware("http")
+    async def bearer(request: Request, call_next: Any) -> Any:
+        if token is not None:
+            sent = request.headers.get("authorization", "")
+            if not secrets.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                return _error(401, "a valid bearer token (api_key) is required",
+                              "authentication_error", "invalid_api_key")  # fmt: skip
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"] if p != "body")
+            problems.append(f"{where}: {err['msg']}" if where else str(err["msg"]))
+        return _error(400, "; ".join(problems), "invalid_request_error")
+
+    def models() -> dict[str, Any]:
+        entry = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "omniloop"}
+        return {"object": "list", "data": [entry]}
+
+    app.get("/v1/models")(models)
+    app.get("/v1/sessions/{session_id}/models")(models)
+
+    async def complete(body: ChatCompletionRequest, request: Request, session_id: str) -> Any:
+        try:
+            choices = await gateway.complete(body, session_id)
+        except ContextLengthError as err:
+            return _error(400, str(err), "invalid_request_error", "context_length_exceeded")
+        except EngineAborted as err:
+            return _error(503, str(err), "server_error", "engine_aborted", **{"Retry-After": "1"})
+        except EngineError as err:
+            return _error(502, f"the engine failed: {err}", "server_error", "engine_error")
+        except ValueError as err:
+            return _error(400, str(err), "invalid_request_error")
+        headers = {SESSION_HEADER: session_id}
+        if not body.stream:
+            answer = completion_body(gateway, body, choices, session_id)
+            return JSONResponse(answer, headers=headers)
+        chunks = stream_chunks(gateway, body, choices, session_id)
+
+        async def events() -> AsyncIterator[str]:
+            for c in chunks:
+                yield f"data: {json.dumps(c, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+        session_id = request.headers.get(SESSION_HEADER) or gateway.new_session_id()
+        return await complete(body, request, session_id)
+
+    @app.post("/v1/sessions/{session_id}/chat/completions")
+    async def session_chat_completions(
+        session_id: str, body: ChatCompletionRequest, request: Request
+    ) -> Any:
+        return await complete(body, request, session_id)
+
+    def session_view(session_id: str, forget: bool) -> Any:
+        recording = gateway.close(session_id) if forget else gateway.recording(session_id)
+        if recording is None:
+            return _error(404, f"no session {session_id!r}", "invalid_request_error", "not_found")
+        return {
+            "session": session_id,
+            **recording.stats(),
+            "trajectories": [
+                t.model_dump(mode="json") for t in gateway.trajectories(recording, session_id)
+            ],
+        }
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str) -> Any:
+        return session_view(session_id, forget=False)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> Any:
+        return session_view(session_id, forget=True)
+
+    return app

@@ -1,0 +1,194 @@
+"""The gateway over the real tiny engine (HTTP), driven by the official `openai` client.
+
+What must hold:
+- the SDK lists the model and gets completions in OpenAI's shapes, with the sampled ids;
+- a multi-turn conversation sent by the SDK (history resent every call) is recorded as the
+  in-process `Session` records the same turns with the same seeds: same ids and mask, logprobs
+  within 1e-5; the session reads back as a trajectory;
+- streaming gives the same ids and text as a non-streaming call with the same seed;
+- a wrong key is a 401, a field the gateway cannot honour a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from omniloop.agents.base import Session, turn_seed
+from omniloop.agents.chat import ChatFormat
+from omniloop.gateway.app import SESSION_HEADER, create_gateway_app
+from omniloop.gateway.completions import Gateway
+from omniloop.inference.base import SamplingParams
+from omniloop.inference.client import EngineClient
+from omniloop.inference.models import load_tokenizer
+
+TOKEN = "gateway-test-token-0123456789"
+MAX_CONTEXT = 512
+
+
+@contextlib.asynccontextmanager
+async def serve(gateway: Gateway) -> AsyncIterator[str]:
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_gateway_app(gateway, token=TOKEN), host="127.0.0.1", port=0,
+            log_level="warning",
+        )
+    )  # fmt: skip
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()
+                raise RuntimeError("uvicorn stopped before it started")
+            await asyncio.sleep(0.02)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+@pytest.fixture
+async def gateway_url(tiny_engine_url: str) -> AsyncIterator[str]:
+    async with EngineClient(tiny_engine_url) as engine:
+        gateway = Gateway(engine, load_tokenizer("tiny"), model="tiny", max_context=MAX_CONTEXT)
+        async with serve(gateway) as url:
+            yield url
+
+
+def sdk(url: str, session: str | None = None, key: str = TOKEN) -> openai.AsyncOpenAI:
+    base = f"{url}/v1/sessions/{session}" if session else f"{url}/v1"
+    return openai.AsyncOpenAI(base_url=base, api_key=key, max_retries=0)
+
+
+async def session_view(url: str, session: str) -> dict[str, Any]:
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        response = await http.get(f"{url}/v1/sessions/{session}")
+    assert response.status_code == 200, response.text
+    view: dict[str, Any] = response.json()
+    return view
+
+
+async def test_the_sdk_lists_the_model_and_gets_a_completion_with_its_ids(
+    gateway_url: str,
+) -> None:
+    async with sdk(gateway_url) as client:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["tiny"]
+        raw = await client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
+            seed=3, logprobs=True,
+        )  # fmt: skip
+    completion = raw.parse()
+    session = raw.headers[SESSION_HEADER]
+    (choice,) = completion.choices
+    ids = choice.model_extra["token_ids"]
+    assert 1 <= len(ids) <= 8
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    assert completion.usage is not None
+    assert completion.usage.completion_tokens == len(ids)
+    assert choice.logprobs is not None
+    assert choice.logprobs.content is not None
+    sampled = [entry.logprob for entry in choice.logprobs.content]
+    view = await session_view(gateway_url, session)
+    (trajectory,) = view["trajectories"]
+    assert trajectory["input_ids"][-len(ids) :] == ids
+    assert trajectory["rollout_logprobs"][-len(ids) :] == sampled
+    assert trajectory["loss_mask"][-len(ids) :] == [1] * len(ids)
+    assert (
+        trajectory["input_ids"][: completion.usage.prompt_tokens]
+        == trajectory["input_ids"][: trajectory["prompt_length"]]
+    )
+
+
+async def test_a_conversation_resent_by_the_sdk_is_recorded_as_the_session_records_it(
+    gateway_url: str, tiny_engine_url: str
+) -> None:
+    follow_ups = ["Tell me more.", "And then?"]
+    opening = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi."}]
+    seed = 11
+    # The in-process agent loop, straight to the engine.
+    async with EngineClient(tiny_engine_url) as engine:
+        session = Session(
+            engine, ChatFormat(load_tokenizer("tiny")), opening,
+            sampling=SamplingParams(max_new_tokens=12, seed=seed), max_turns=3,
+            max_context=MAX_CONTEXT,
+        )  # fmt: skip
+        for turn in range(3):
+            with contextlib.suppress(Exception):  # a turn cut at max_new_tokens ends it
+                await session.generate()
+            if turn < 2:
+                session.add_observation([{"role": "user", "content": follow_ups[turn]}])
+    reference = session.builder
+    # The same conversation through the gateway, as an SDK client writes it.
+    messages: list[dict[str, Any]] = [dict(m) for m in opening]
+    async with sdk(gateway_url, "conv-1") as client:
+        for turn in range(3):
+            completion = await client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, seed=turn_seed(seed, turn)
+            )  # type: ignore[call-overload]
+            messages.append(completion.choices[0].message.model_dump(exclude_none=True))
+            if turn < 2:
+                messages.append({"role": "user", "content": follow_ups[turn]})
+    view = await session_view(gateway_url, "conv-1")
+    assert view["prefix_stability"] == 1.0
+    assert view["resent_calls"] == view["stable_calls"] == 2
+    (trajectory,) = view["trajectories"]
+    assert trajectory["input_ids"] == reference.input_ids
+    assert trajectory["loss_mask"] == reference.loss_mask
+    assert trajectory["rollout_logprobs"] == pytest.approx(reference.rollout_logprobs, abs=1e-5)
+    assert trajectory["meta"]["episode_id"] == "conv-1"
+    assert len(trajectory["meta"]["turns"]) == 3
+
+
+async def test_streaming_gives_the_ids_and_text_of_a_plain_call(gateway_url: str) -> None:
+    messages = [{"role": "user", "content": "Count to five."}]
+    async with sdk(gateway_url) as client:
+        plain = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=16, seed=21
+        )  # type: ignore[call-overload]
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=16, seed=21, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        texts, ids, finish, usage = [], [], None, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                texts.append(choice.delta.content or "")
+                ids += (choice.model_extra or {}).get("token_ids", [])
+                finish = choice.finish_reason or finish
+    assert ids == plain.choices[0].model_extra["token_ids"]
+    assert "".join(texts) == plain.choices[0].message.content
+    assert finish == plain.choices[0].finish_reason
+    assert usage is not None
+    assert usage.completion_tokens == len(ids)
+
+
+async def test_a_wrong_key_and_an_unsupported_field_are_refused(gateway_url: str) -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    async with sdk(gateway_url, key="not-the-token") as client:
+        with pytest.raises(openai.AuthenticationError):
+            await client.chat.completions.create(model="tiny", messages=messages)  # type: ignore[call-overload]
+    async with sdk(gateway_url) as client:
+        with pytest.raises(openai.BadRequestError, match="top_logprobs is not supported"):
+            await client.chat.completions.create(
+                model="tiny", messages=messages, logprobs=True, top_logprobs=2
+            )  # type: ignore[call-overload]
+        with pytest.raises(openai.BadRequestError, match=r"max_context is 512"):
+            await client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "word " * 600}]
+            )  # type: ignore[call-overload]
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        missing = await http.get(f"{gateway_url}/v1/sessions/nope")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "not_found"
