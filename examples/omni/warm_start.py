@@ -9,9 +9,8 @@ followed by a colour word and the end of the turn:
 The warm-started model answers a red or blue picture with one of the eight words about
 uniformly, right about one time in eight. Telling red from blue is left to RL.
 
-Supervised steps reuse the RL trainer: a policy-gradient step with advantage 1 on every
-completion token, at ratio 1, is a negative log-likelihood step on those tokens. The rows carry
-their pictures' forward inputs, so the vision tower is in the graph as it is in RL.
+Supervised steps reuse the RL trainer (`omniloop.trainer.warm_start`). The rows carry their
+pictures' forward inputs, so the vision tower is in the graph as it is in RL.
 
     python examples/omni/warm_start.py runs/omni/model
 """
@@ -31,9 +30,8 @@ from omniloop.agents.media import EpisodeMedia, media_resolver
 from omniloop.inference.models import load_tokenizer, resolve_model
 from omniloop.modalities import MediaConfig
 from omniloop.platform.control.components import load_tasks
-from omniloop.trainer.batch import TrainBatch, TrainRow
-from omniloop.trainer.config import TrainerConfig
-from omniloop.trainer.torch_backend import TorchTrainerBackend
+from omniloop.trainer.batch import TrainRow
+from omniloop.trainer.warm_start import completion_row, supervised_warm_start
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -79,19 +77,8 @@ def warm_start_rows(
         inputs = resolver.model_inputs([p.model_dump() for p in media.placements])
         for word in words:
             completion = [*tokenizer.encode(word, add_special_tokens=False), chat.stop_token_ids[0]]
-            ids = prompt + completion
-            rows.append(
-                TrainRow(
-                    id=f"{task.id}/{word}",
-                    input_ids=ids,
-                    loss_mask=[0] * len(prompt) + [1] * len(completion),
-                    rollout_logprobs=[0.0] * len(ids),
-                    weight_version=[0] * len(ids),
-                    advantages=1.0,
-                    stop_reason="stop",
-                    media_inputs=inputs,
-                )
-            )
+            row_id = f"{task.id}/{word}"
+            rows.append(completion_row(row_id, prompt, completion, media_inputs=inputs))
     return rows
 
 
@@ -99,15 +86,9 @@ def warm_start(
     out: Path, *, steps: int = 40, batch_size: int = 16, lr: float = 1e-2, seed: int = 0
 ) -> Path:
     """Train `tiny-omni` on the rows for `steps` steps and save it to `out`."""
-    rows = warm_start_rows()
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    config = TrainerConfig(lr=lr, micro_batch_size=batch_size, device="cpu", weight_decay=0.0)
-    backend = TorchTrainerBackend("tiny-omni", config)
-    for _ in range(steps):
-        backend.train_step(TrainBatch.from_rows(rng.sample(rows, batch_size)))
-    backend.save_hf(out)
-    return out
+    return supervised_warm_start(
+        "tiny-omni", warm_start_rows(), out, steps=steps, batch_size=batch_size, lr=lr, seed=seed
+    )
 
 
 if __name__ == "__main__":

@@ -6,16 +6,13 @@ with every direction equally often, so the data says nothing about where the tre
 warm-started model writes well-formed calls and picks a direction about uniformly, right ~1/8
 of the time. Finding the right one is left to RL.
 
-Supervised steps reuse the RL trainer: a policy-gradient step with advantage 1 on every
-completion token, at ratio 1 (one optimizer step per batch), is exactly a negative
-log-likelihood step on those tokens.
+Supervised steps reuse the RL trainer (`omniloop.trainer.warm_start`).
 
     python examples/toy_tool/warm_start.py runs/toy_tool/model
 """
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
@@ -25,10 +22,8 @@ from omniloop.agents.base import Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.inference.models import load_tokenizer
 from omniloop.platform.control.components import load_tasks
-from omniloop.trainer.batch import TrainBatch
-from omniloop.trainer.config import TrainerConfig
-from omniloop.trainer.torch_backend import TorchTrainerBackend
-from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta
+from omniloop.trainer.batch import TrainRow
+from omniloop.trainer.warm_start import completion_row, supervised_warm_start
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -38,23 +33,22 @@ from agent import DIRECTIONS, PREFILL, build_agent  # noqa: E402
 COMPLETION = '{}"}}\n</tool_call>'
 
 
-def format_examples(tasks: list[Task], tokenizer_model: str = "tiny") -> list[Trajectory]:
-    """Every (task prompt, tool name) pair as a trajectory whose completion is the call."""
+def format_examples(tasks: list[Task], tokenizer_model: str = "tiny") -> list[TrainRow]:
+    """Every (task prompt, tool name) pair as a row whose completion is the call."""
     tokenizer = load_tokenizer(tokenizer_model)
     agent = build_agent()
     chat = ChatFormat(tokenizer, agent.tool_schemas)
     prefill = tokenizer.encode(PREFILL, add_special_tokens=False, split_special_tokens=True)
-    examples = []
-    for task in tasks:
-        prompt = chat.prompt_ids(agent.opening(task))
-        for name in DIRECTIONS:
-            builder = TrajectoryBuilder(prompt)
-            builder.add_observation(prefill)
-            ids = tokenizer.encode(COMPLETION.format(name), add_special_tokens=False)
-            builder.add_sampled(ids, [0.0] * len(ids), 0)
-            meta = TrajectoryMeta(episode_id=f"{task.id}/{name}", stop_reason="stop")
-            examples.append(builder.build(meta))
-    return examples
+    return [
+        completion_row(
+            f"{task.id}/{name}",
+            chat.prompt_ids(agent.opening(task)),
+            tokenizer.encode(COMPLETION.format(name), add_special_tokens=False),
+            prefix=prefill,
+        )
+        for task in tasks
+        for name in DIRECTIONS
+    ]
 
 
 def warm_start(
@@ -66,17 +60,10 @@ def warm_start(
     seed: int = 0,
 ) -> Path:
     """Train the tiny model on the format for `steps` steps and save it to `out`."""
-    tasks = load_tasks(str(HERE / "tasks.jsonl"))
-    examples = format_examples(tasks, "tiny")
-    torch.manual_seed(seed)
-    rng = random.Random(seed)
-    config = TrainerConfig(lr=lr, micro_batch_size=batch_size, device="cpu", weight_decay=0.0)
-    backend = TorchTrainerBackend("tiny", config)
-    for _ in range(steps):
-        batch = rng.sample(examples, batch_size)
-        backend.train_step(TrainBatch.from_trajectories(batch, [1.0] * len(batch)))
-    backend.save_hf(out)
-    return out
+    rows = format_examples(load_tasks(str(HERE / "tasks.jsonl")), "tiny")
+    return supervised_warm_start(
+        "tiny", rows, out, steps=steps, batch_size=batch_size, lr=lr, seed=seed
+    )
 
 
 if __name__ == "__main__":

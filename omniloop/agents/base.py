@@ -141,6 +141,8 @@ class Session:
         self.turns: list[TurnRecord] = []
         self.neutralised = 0
         """Sampled media placeholder ids replaced by a text id (module docstring)."""
+        self.metrics: dict[str, float] = {}
+        """Counters the agent adds to the trajectory's `meta.metrics`."""
         self._closed = True  # whether the last assistant turn ended with its end-of-turn token
 
     @property
@@ -227,6 +229,16 @@ class Session:
             )
         self.messages.extend(dict(m) for m in messages)
         self._closed = True
+
+    def adopt(
+        self, builder: TrajectoryBuilder, turns: list[TurnRecord], messages: list[Message]
+    ) -> None:
+        """Take a conversation recorded elsewhere as this session's: its tokens (`builder`,
+        used as it is), its turns, and its messages (the last assistant one is the final
+        response). For agents whose turns are sampled outside the session (the gateway's)."""
+        self.builder = builder
+        self.turns = list(turns)
+        self.messages = [dict(m) for m in messages]
 
     def _neutralise(self, start: int) -> None:
         """Replace media placeholder ids the model sampled (from `start` on) by the tokenizer's

@@ -14,7 +14,8 @@ its calls in session `ID`):
 With a token, every route needs `Authorization: Bearer <token>` (an OpenAI client's
 `api_key`). Errors are OpenAI's shape, `{"error": {"message", "type", "code"}}`: 400 for a
 request the gateway cannot take (the message names the field), 401, 404 for an unknown
-session, 502 when the engine fails, 503 with `Retry-After` when it aborted the request.
+session, 502 when the engine fails, 429 with `Retry-After` when it aborted the request (a
+weight sync) and the gateway does not hold calls (`Gateway.on_abort`).
 
 Streaming sends the reply once it is sampled, in pieces: each token's text (or, for a reply
 with tool calls, its content and then each call), with the same ids and text as a
@@ -23,6 +24,8 @@ non-streaming call with the same seed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import secrets
 import time
@@ -34,7 +37,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from omniloop.errors import EngineError
-from omniloop.gateway.completions import Choice, ContextLengthError, EngineAborted, Gateway
+from omniloop.gateway.completions import (
+    Choice,
+    ContextLengthError,
+    EngineAborted,
+    Gateway,
+    TurnLimitError,
+)
 from omniloop.gateway.openai_wire import ChatCompletionRequest
 
 SESSION_HEADER = "X-Omniloop-Session"
@@ -180,8 +189,11 @@ def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI
             choices = await gateway.complete(body, session_id)
         except ContextLengthError as err:
             return _error(400, str(err), "invalid_request_error", "context_length_exceeded")
+        except TurnLimitError as err:
+            return _error(400, str(err), "invalid_request_error", "max_turns")
         except EngineAborted as err:
-            return _error(503, str(err), "server_error", "engine_aborted", **{"Retry-After": "1"})
+            retry = {"Retry-After": "1"}
+            return _error(429, str(err), "rate_limit_error", "engine_aborted", **retry)
         except EngineError as err:
             return _error(502, f"the engine failed: {err}", "server_error", "engine_error")
         except ValueError as err:
@@ -231,3 +243,35 @@ def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI
         return session_view(session_id, forget=True)
 
     return app
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    gateway: Gateway,
+    *,
+    token: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    log_level: str = "warning",
+) -> AsyncIterator[str]:
+    """The gateway under uvicorn in this event loop for the block; yields its base URL
+    (`http://HOST:PORT`, port 0 picks a free one)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        create_gateway_app(gateway, token=token), host=host, port=port, log_level=log_level
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()
+                raise RuntimeError("the gateway's server stopped before it started")
+            await asyncio.sleep(0.01)
+        bound = server.servers[0].sockets[0].getsockname()
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        yield f"http://{shown}:{bound[1]}"
+    finally:
+        server.should_exit = True
+        await serving

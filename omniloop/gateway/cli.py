@@ -63,14 +63,12 @@ async def _serve(
             engine, load_tokenizer(model), model=model, max_context=max_context,
             max_new_tokens=max_new_tokens,
         )  # fmt: skip
-        config = uvicorn.Config(
-            create_gateway_app(gateway, token=token), host=host, port=port, log_level=log_level
-        )
-        server = uvicorn.Server(config)
+        app = create_gateway_app(gateway, token=token)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():  # noqa: ASYNC110
             await asyncio.sleep(0.05)
         if server.started:
             bound = server.servers[0].sockets[0].getsockname()
             typer.echo(f"omniloop gateway ready at http://{bound[0]}:{bound[1]}/v1")
-        await serving
+        await serving  # until SIGINT or SIGTERM (uvicorn's handlers)

@@ -20,12 +20,14 @@ import secrets
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+from omniloop.agents.base import turn_seed
 from omniloop.agents.chat import ChatFormat, Message
+from omniloop.errors import EngineError
 from omniloop.gateway.openai_wire import ChatCompletionRequest, render_form, to_chat
 from omniloop.gateway.recorder import Canonical, Point, Segment, SessionRecording, canonical
-from omniloop.inference.base import Engine, SamplingParams
+from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
 from omniloop.tools import parse_tool_calls
 from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta, TurnRecord
 
@@ -37,7 +39,11 @@ class ContextLengthError(ValueError):
     """The conversation leaves no room for a reply."""
 
 
-class EngineAborted(RuntimeError):
+class TurnLimitError(ValueError):
+    """The session has sampled as many replies as the gateway allows."""
+
+
+class EngineAborted(EngineError):
     """The engine aborted the request (e.g. around a weight update); retry it."""
 
 
@@ -96,15 +102,37 @@ class Gateway:
         max_context: int = 4096,
         max_new_tokens: int = 1024,
         max_sessions: int = 10_000,
+        sampling: SamplingParams | None = None,
+        max_turns: int | None = None,
+        on_abort: Literal["hold", "retry_after"] = "hold",
+        hold_s: float = 600.0,
     ) -> None:
         """`model`: the name `/v1/models` lists; `max_context`: most tokens of a segment;
-        `max_new_tokens`: a reply's limit when the request sets none."""
+        `max_new_tokens`: a reply's limit when the request sets none.
+
+        For training (an episode's gateway), `sampling` overrides what requests ask for:
+        its temperature, top-p and top-k are used, its `max_new_tokens` caps every reply, its
+        stop strings are added, and reply `k` of a session samples with `turn_seed(seed, k)`
+        (as the in-process agent loop's turns do); `max_turns` bounds the replies of a
+        session.
+
+        A weight sync may abort requests the engine is running (SGLang's `abort` pause mode):
+        with `on_abort="hold"` the gateway samples the reply again, for up to `hold_s`
+        seconds (the paused engine holds the new request until the sync is over), so no
+        client call fails because of a sync; with `retry_after` the call is answered 429 with
+        `Retry-After`. An aborted attempt's partial output is never recorded."""
+        self.on_abort = on_abort
+        self.hold_s = hold_s
         self.engine = engine
+        self.sampling = sampling
+        self.max_turns = max_turns
         self.tokenizer = tokenizer
         self.model = model
         self.max_context = max_context
         self.max_new_tokens = max_new_tokens
         self.max_sessions = max_sessions
+        self.aborted_attempts = 0
+        """Engine replies aborted (and sampled again, or answered 429)."""
         self._formats: dict[str, ChatFormat] = {}
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
@@ -200,24 +228,24 @@ class Gateway:
             closed = point.closed if point is not None else True
             added = chat.observation_ids(new, closed=closed) if new else []
         prompt = [*before, *added]
+        if self.max_turns is not None and recording.engine_calls >= self.max_turns:
+            recording.ended_by = "max_turns"
+            raise TurnLimitError(f"the session has had its {self.max_turns} replies (max_turns)")
         room = self.max_context - len(prompt)
         if room <= 0:
+            recording.ended_by = "context_limit"
             raise ContextLengthError(
                 f"the conversation is {len(prompt)} tokens, the gateway's max_context is "
                 f"{self.max_context}: no room for a reply"
             )
-        params = SamplingParams(
-            max_new_tokens=min(request.max_new_tokens or self.max_new_tokens, room),
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            stop=request.stop_list or None,
-            stop_token_ids=list(chat.stop_token_ids),
-            seed=seed,
-        )
+        params = self._params(request, chat, seed, room, recording.engine_calls)
         started = time.perf_counter()
-        out = await self.engine.generate(prompt, params)
-        if out.finish_reason == "abort":
-            raise EngineAborted("the engine aborted the request; retry it")
+        try:
+            out = await self._generate(prompt, params)
+        except EngineError:
+            recording.ended_by = "engine_error"
+            raise
+        recording.engine_calls += 1
         seconds = time.perf_counter() - started
         # Commit only now: a failed call leaves the recording as it was.
         if base is None:
@@ -264,6 +292,7 @@ class Gateway:
             )
         )
         segment.points.append(Point("turn", len(segment.messages), len(segment.builder), closed))
+        recording.last_segment = segment.index
         finish = "length" if out.finish_reason == "length" else "tool_calls" if calls else "stop"
         return Choice(
             index=index,
@@ -276,6 +305,49 @@ class Gateway:
             prompt_tokens=len(prompt),
             weight_version=out.weight_version,
             segment=segment.index,
+        )
+
+    async def _generate(self, prompt: list[int], params: SamplingParams) -> GenerateOutput:
+        """The engine's reply, sampled again while a sync aborts it (`on_abort`)."""
+        deadline = time.monotonic() + self.hold_s
+        pause = 0.05
+        while True:
+            out = await self.engine.generate(prompt, params)
+            if out.finish_reason != "abort":
+                return out
+            self.aborted_attempts += 1
+            if self.on_abort == "retry_after" or time.monotonic() + pause > deadline:
+                raise EngineAborted("the engine aborted the request (a weight sync?); retry it")
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 1.0)
+
+    def _params(
+        self,
+        request: ChatCompletionRequest,
+        chat: ChatFormat,
+        seed: int | None,
+        room: int,
+        replies: int,
+    ) -> SamplingParams:
+        """The engine's sampling for a reply: the request's, or the rollout's (`sampling`)."""
+        wanted = request.max_new_tokens or self.max_new_tokens
+        rollout = self.sampling
+        if rollout is None:
+            return SamplingParams(
+                max_new_tokens=min(wanted, room),
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                stop=request.stop_list or None,
+                stop_token_ids=list(chat.stop_token_ids),
+                seed=seed,
+            )
+        return rollout.model_copy(
+            update={
+                "max_new_tokens": min(wanted, rollout.max_new_tokens, room),
+                "stop": [*(rollout.stop or []), *request.stop_list] or None,
+                "stop_token_ids": sorted({*(rollout.stop_token_ids or []), *chat.stop_token_ids}),
+                "seed": turn_seed(rollout.seed, replies),
+            }
         )
 
     @staticmethod

@@ -128,6 +128,12 @@ class SessionRecording:
     """Resent calls that extended or forked a recorded point."""
     fresh_segments: int = 0
     """Segments started because no recorded prefix matched a resent history."""
+    engine_calls: int = 0
+    """Replies sampled (a call with `n` choices makes `n`)."""
+    last_segment: int | None = None
+    """The segment the latest reply was recorded in."""
+    ended_by: str | None = None
+    """Why the gateway last refused a call: `max_turns`, `context_limit` or `engine_error`."""
 
     def match(self, messages: list[Message], tools_key: str) -> Match:
         """Where `messages` (omniloop's chat form) continue this session (module docstring)."""
@@ -179,5 +185,6 @@ class SessionRecording:
             "stable_calls": self.stable_calls,
             "fresh_segments": self.fresh_segments,
             "segments": len(self.segments),
+            "engine_calls": self.engine_calls,
             "prefix_stability": self.prefix_stability,
         }

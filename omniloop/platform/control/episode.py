@@ -191,7 +191,7 @@ async def run_episode(
         tool_calls=tool_calls,
         stop_reason=stop,
         error=error,
-        metrics={**tool_call_metrics(tool_calls), **_media_metrics(session)},
+        metrics={**tool_call_metrics(tool_calls), **_media_metrics(session), **session.metrics},
     )
     placements = session.media.placements if session.media is not None else []
     trajectory = session.builder.build(meta, [p.model_dump(mode="json") for p in placements])

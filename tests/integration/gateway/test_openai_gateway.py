@@ -19,11 +19,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from omniloop.agents.base import Session, turn_seed
 from omniloop.agents.chat import ChatFormat
-from omniloop.gateway.app import SESSION_HEADER, create_gateway_app
+from omniloop.gateway.app import SESSION_HEADER, serve_gateway
 from omniloop.gateway.completions import Gateway
 from omniloop.inference.base import SamplingParams
 from omniloop.inference.client import EngineClient
@@ -33,33 +32,11 @@ TOKEN = "gateway-test-token-0123456789"
 MAX_CONTEXT = 512
 
 
-@contextlib.asynccontextmanager
-async def serve(gateway: Gateway) -> AsyncIterator[str]:
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_gateway_app(gateway, token=TOKEN), host="127.0.0.1", port=0,
-            log_level="warning",
-        )
-    )  # fmt: skip
-    serving = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            if serving.done():
-                serving.result()
-                raise RuntimeError("uvicorn stopped before it started")
-            await asyncio.sleep(0.02)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await serving
-
-
 @pytest.fixture
 async def gateway_url(tiny_engine_url: str) -> AsyncIterator[str]:
     async with EngineClient(tiny_engine_url) as engine:
         gateway = Gateway(engine, load_tokenizer("tiny"), model="tiny", max_context=MAX_CONTEXT)
-        async with serve(gateway) as url:
+        async with serve_gateway(gateway, token=TOKEN) as url:
             yield url
 
 
@@ -192,3 +169,40 @@ async def test_a_wrong_key_and_an_unsupported_field_are_refused(gateway_url: str
         missing = await http.get(f"{gateway_url}/v1/sessions/nope")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "not_found"
+
+
+async def metric(http: httpx.AsyncClient, engine_url: str, name: str) -> float:
+    text = (await http.get(f"{engine_url}/metrics")).text
+    return float(next(ln.split()[-1] for ln in text.splitlines() if ln.startswith(name)))
+
+
+async def test_a_sync_that_aborts_a_running_call_does_not_fail_the_client(
+    gateway_url: str, tiny_engine_url: str
+) -> None:
+    """The engine pauses in SGLang's `abort` mode while the call is decoding: the engine
+    answers it aborted, the gateway samples it again once generation continues, and the
+    client gets a complete reply."""
+    aborted = 'omniloop_engine_requests_total{finish="abort"}'
+    running = "omniloop_engine_running_requests"
+    async with httpx.AsyncClient(timeout=60) as http, sdk(gateway_url, "synced") as client:
+        before = await metric(http, tiny_engine_url, aborted)
+        call = asyncio.create_task(
+            client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Tell a long story."}],
+                max_tokens=400, seed=9,
+            )  # type: ignore[call-overload]
+        )  # fmt: skip
+        while await metric(http, tiny_engine_url, running) < 1:
+            assert not call.done(), "the call ended before the engine ran it"
+            await asyncio.sleep(0.005)
+        await http.post(f"{tiny_engine_url}/pause_generation", json={"mode": "abort"})
+        await asyncio.sleep(0.3)
+        assert not call.done()  # held: the new attempt waits for the sync to end
+        await http.post(f"{tiny_engine_url}/continue_generation", json={})
+        completion = await call
+        assert await metric(http, tiny_engine_url, aborted) >= before + 1
+    ids = completion.choices[0].model_extra["token_ids"]
+    view = await session_view(gateway_url, "synced")
+    (trajectory,) = view["trajectories"]
+    assert trajectory["input_ids"][-len(ids) :] == ids
+    assert sum(trajectory["loss_mask"]) == len(ids)

@@ -24,22 +24,39 @@ TOY = REPO / "examples" / "toy_tool"
 TOY_CONFIG = TOY / "train.yaml"
 
 
-def _load_example(name: str) -> ModuleType:
-    """An example's module by file, with its folder importable (examples import siblings)."""
-    if str(TOY) not in sys.path:
-        sys.path.insert(0, str(TOY))
-    spec = importlib.util.spec_from_file_location(f"toy_tool_{name}", TOY / f"{name}.py")
+def load_example_script(folder: Path, script: str) -> ModuleType:
+    """An example's script by file. Examples import their sibling modules by name (`agent`,
+    `make_tasks`) and share those names, so the siblings are imported for this script alone
+    and removed again (a later example imports its own)."""
+    siblings = {path.stem for path in folder.glob("*.py")}
+    saved = {name: sys.modules.pop(name) for name in siblings if name in sys.modules}
+    module_name = f"{folder.name}_{script}"
+    spec = importlib.util.spec_from_file_location(module_name, folder / f"{script}.py")
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    added = str(folder) not in sys.path
+    try:
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        for name in siblings:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+        if added and str(folder) in sys.path:
+            sys.path.remove(str(folder))
+
+
+@pytest.fixture(scope="session")
+def example_script() -> Callable[[Path, str], ModuleType]:
+    """`load_example_script`, for the test modules (which are not importable)."""
+    return load_example_script
 
 
 @pytest.fixture(scope="session")
 def toy_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model warm-started on the toy task's call format (uniformly random tools)."""
-    warm_start = _load_example("warm_start")
+    warm_start = load_example_script(TOY, "warm_start")
     return Path(warm_start.warm_start(tmp_path_factory.mktemp("toy") / "model"))
 
 

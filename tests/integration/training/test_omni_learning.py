@@ -14,9 +14,7 @@ the roles in this process (the omni run test covers them as services).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,25 +36,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def colour_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def colour_model(tmp_path_factory: pytest.TempPathFactory, example_script: Any) -> Path:
     """`tiny-omni` warm-started by the example's script (seconds)."""
-    spec = importlib.util.spec_from_file_location("omni_warm_start", OMNI / "warm_start.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    # The script imports its siblings by name (`agent`, `make_tasks`), and the toy example has
-    # an `agent` too: neither may see the other's.
-    siblings = {"agent", "make_tasks"}
-    saved = {name: sys.modules.pop(name) for name in siblings if name in sys.modules}
-    try:
-        spec.loader.exec_module(module)
-        return Path(module.warm_start(tmp_path_factory.mktemp("omni-model") / "model"))
-    finally:
-        for name in siblings:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
-        if str(OMNI) in sys.path:
-            sys.path.remove(str(OMNI))
+    module = example_script(OMNI, "warm_start")
+    return Path(module.warm_start(tmp_path_factory.mktemp("omni-model") / "model"))
 
 
 @dataclass

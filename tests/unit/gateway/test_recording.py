@@ -17,12 +17,14 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omniloop.agents.base import Session
 from omniloop.agents.chat import ChatFormat
+from omniloop.gateway.app import create_gateway_app
 from omniloop.gateway.completions import Choice, Gateway
 from omniloop.gateway.openai_wire import ChatCompletionRequest, hermes_call
 from omniloop.inference.base import GenerateOutput, SamplingParams
@@ -43,6 +45,8 @@ TOOLS = [
 ]
 CHAT = ChatFormat(TOKENIZER, TOOLS)
 END = CHAT.stop_token_ids[0]
+ABORT = "<aborted by a sync>"
+"""A scripted turn starting with this is answered as an aborted request (partial output)."""
 
 
 class ScriptedEngine:
@@ -57,12 +61,14 @@ class ScriptedEngine:
     ) -> GenerateOutput:
         self.prompts.append(list(input_ids))
         text = self.turns.pop(0)
-        ids = [*TOKENIZER.encode(text, add_special_tokens=False), END]
+        aborted = text.startswith(ABORT)
+        ids = TOKENIZER.encode(text.removeprefix(ABORT), add_special_tokens=False)
+        ids += [] if aborted else [END]
         logprobs = [-(i % 7) / 10 - 0.05 for i in range(len(ids))]
         return GenerateOutput(
             output_ids=ids,
             output_logprobs=logprobs,
-            finish_reason="stop",
+            finish_reason="abort" if aborted else "stop",
             weight_version=3,
             weight_versions=[3] * len(ids),
         )
@@ -302,3 +308,34 @@ def test_messages_the_gateway_cannot_render_are_refused_by_index(
     body = request([{"role": "user", "content": "?"}, message])
     with pytest.raises(ValueError, match=rf"messages\[1\]: .*{error}"):
         asyncio.run(gateway.complete(body, "s"))
+
+
+def test_a_reply_aborted_by_a_sync_is_sampled_again_and_recorded_once() -> None:
+    engine = ScriptedEngine([ABORT + "half a rep", "the whole reply"])
+    gateway = Gateway(engine, TOKENIZER, model="tiny")
+    (choice,) = asyncio.run(gateway.complete(request([{"role": "user", "content": "?"}]), "s"))
+    assert choice.content == "the whole reply"
+    assert gateway.aborted_attempts == 1
+    assert len(engine.prompts) == 2
+    assert engine.prompts[0] == engine.prompts[1]
+    recording = gateway.recording("s")
+    assert recording is not None
+    (segment,) = recording.segments
+    pairs = zip(segment.builder.input_ids, segment.builder.loss_mask, strict=True)
+    assert CHAT.decode([t for t, m in pairs if m]) == "the whole reply<|im_end|>"
+
+
+async def test_without_holding_an_aborted_call_is_a_429_with_retry_after() -> None:
+    engine = ScriptedEngine([ABORT + "half", "unused"])
+    gateway = Gateway(engine, TOKENIZER, model="tiny", on_abort="retry_after")
+    app = create_gateway_app(gateway)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "?"}]}
+        response = await http.post("/v1/sessions/s/chat/completions", json=body)
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "engine_aborted"
+    recording = gateway.recording("s")
+    assert recording is not None
+    assert recording.segments == []
