@@ -17,7 +17,9 @@ OpenAI-SDK agent's episodes per second against the same agent in process.
    `examples/openai_agent` (one call, a search, an answer), `EPISODES` episodes, 16 at once,
    through `run_episode` on the tiny model: the agent as written with the `openai` package
    (`OpenAIAgent`, an episode gateway each) against the same steps as an in-process `Agent`
-   (one `Session.generate`), alternating, `ROUNDS` rounds each. Ratio: SDK / in process.
+   (one `Session.generate`), alternating, `ROUNDS` rounds each. Ratio: SDK / in process. The
+   example passes `endpoint.http_client()` to the SDK; `*_default_client` is the same agent
+   with the SDK's own HTTP client, which builds a TLS context per episode.
 
 Prints ONE JSON line.
 
@@ -164,6 +166,15 @@ async def stability(gateway: str, conversations: int, seed: int = 0) -> dict[str
     return totals
 
 
+async def solve_default_client(task: Task, endpoint: Any) -> str:
+    """The example agent with the SDK's own HTTP client (a TLS context built per episode)."""
+    from agent import hunt
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key) as client:
+        return await hunt(client, endpoint.model, task.prompt, task.metadata["treasure"])
+
+
 class InProcessHunt:
     """The example agent's steps as an in-process `Agent`: one turn, the search it names."""
 
@@ -228,8 +239,12 @@ def main() -> None:
     try:
         gaps, differed = asyncio.run(overhead(engine, gateway, args.overhead_conversations))
         totals = asyncio.run(stability(gateway, args.conversations))
-        rates: dict[str, list[float]] = {"sdk": [], "in_process": []}
+        rates: dict[str, list[float]] = {"sdk": [], "sdk_default_client": [], "in_process": []}
         for _ in range(ROUNDS):
+            default = OpenAIAgent(solve_default_client)
+            rates["sdk_default_client"].append(
+                asyncio.run(episodes_per_s(engine, default, args.episodes))
+            )
             rates["sdk"].append(
                 asyncio.run(episodes_per_s(engine, OpenAIAgent(solve), args.episodes))
             )
@@ -241,6 +256,7 @@ def main() -> None:
             proc.terminate()
             proc.wait(timeout=30)
     sdk, local = statistics.median(rates["sdk"]), statistics.median(rates["in_process"])
+    default_client = statistics.median(rates["sdk_default_client"])
     print(
         json.dumps(
             {
@@ -257,6 +273,8 @@ def main() -> None:
                 "episodes_per_s_sdk": round(sdk, 2),
                 "episodes_per_s_in_process": round(local, 2),
                 "episodes_per_s_ratio": round(sdk / local, 3),
+                "episodes_per_s_sdk_default_client": round(default_client, 2),
+                "episodes_per_s_ratio_default_client": round(default_client / local, 3),
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "cpus": os.cpu_count(),
             }

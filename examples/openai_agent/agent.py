@@ -51,8 +51,11 @@ async def hunt(client: AsyncOpenAI, model: str, prompt: str, treasure: str) -> s
 
 
 async def solve(task: Any, endpoint: Any) -> str:
-    """The agent as `OpenAIAgent` calls it."""
-    async with AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key) as client:
+    """The agent as `OpenAIAgent` calls it. (`endpoint.http_client()` is optional: it spares
+    the SDK building a TLS context per episode.)"""
+    async with AsyncOpenAI(
+        base_url=endpoint.base_url, api_key=endpoint.api_key, http_client=endpoint.http_client()
+    ) as client:
         return await hunt(client, endpoint.model, task.prompt, task.metadata["treasure"])
 
 

@@ -1,8 +1,9 @@
 """`OpenAIAgent`: an agent written against the OpenAI SDK, run as an omniloop `Agent`.
 
-Each episode gets a gateway of its own (`Gateway` over the episode's engine, served on
-127.0.0.1 with a token made for it). The agent is handed the gateway's address and talks
-only to it, unchanged:
+Each episode gets a gateway of its own (`Gateway` over the episode's engine, with a token made
+for it), reached under its session's path of one server per event loop on 127.0.0.1
+(`EpisodeGateways`, started with the first episode). The agent is handed its base URL and key
+and talks only to it, unchanged:
 
 - a Python callable, `async def solve(task: Task, endpoint: OpenAIEndpoint) -> str | None`
   (e.g. `AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key)`), or
@@ -29,20 +30,24 @@ segments after the agent rewrote its history) are counted, not trained.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import inspect
 import json
 import logging
 import os
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+import ssl
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from omniloop.agents.base import EpisodeEnd, Session, Task
 from omniloop.agents.chat import Message
 from omniloop.errors import ConfigError, EngineError
-from omniloop.gateway.app import serve_gateway
+from omniloop.gateway.app import bearer_matches, create_gateway_app, start_server
 from omniloop.gateway.completions import Gateway
 
 logger = logging.getLogger(__name__)
@@ -60,6 +65,15 @@ class OpenAIEndpoint:
     api_key: str
     model: str = MODEL_NAME
 
+    def http_client(self) -> Any:
+        """An `httpx.AsyncClient` for `AsyncOpenAI(..., http_client=...)`, optional: the
+        SDK's own client builds a TLS context each time (about 25 ms of CPU), which a loopback
+        gateway never uses; this one shares one. Close it as usual (`async with` the SDK
+        client does)."""
+        from openai import DefaultAsyncHttpxClient
+
+        return DefaultAsyncHttpxClient(verify=_tls_context())
+
     @property
     def env(self) -> dict[str, str]:
         """The OpenAI SDK's environment variables for a subprocess."""
@@ -68,6 +82,11 @@ class OpenAIEndpoint:
             "OPENAI_API_KEY": self.api_key,
             "OPENAI_MODEL": self.model,
         }
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 Solve = Callable[[Task, OpenAIEndpoint], Awaitable[str | None] | str | None]
@@ -114,14 +133,14 @@ class OpenAIAgent:
             max_new_tokens=session.sampling.max_new_tokens,
             sampling=session.sampling,
             max_turns=session.max_turns,
+            chat=None if session.chat.tools else session.chat,
         )
-        # The session's name goes in the URL's path: the episode id, path-safe.
-        name = re.sub(r"[^A-Za-z0-9._-]", "_", str(getattr(context, "episode_id", "") or "episode"))
-        token = secrets.token_urlsafe(24)
+        # The session's name goes in the URL's path: the episode id, path-safe, made unique.
+        episode = re.sub(r"[^A-Za-z0-9._-]", "_", str(getattr(context, "episode_id", "") or "ep"))
+        name = f"{episode}-{secrets.token_hex(4)}"
         answer: str | None = None
         failure: BaseException | None = None
-        async with serve_gateway(gateway, token=token) as url:
-            endpoint = OpenAIEndpoint(f"{url}/v1/sessions/{name}", token)
+        async with episode_gateways().episode(name, gateway) as endpoint:
             try:
                 answer = await asyncio.wait_for(self._run_agent(task, endpoint), self.timeout_s)
             except ConfigError:
@@ -189,6 +208,58 @@ class OpenAIAgent:
             tail = err.decode(errors="replace")[-2000:]
             raise RuntimeError(f"the agent command exited {process.returncode}: {tail}")
         return out.decode(errors="replace").strip()
+
+
+class EpisodeGateways:
+    """The episodes' gateways of one event loop behind one server (`Routes`): a session per
+    episode, each with its own gateway and token, registered for the episode's duration."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, tuple[Gateway, str]] = {}
+        self._url: str | None = None
+        self._starting = asyncio.Lock()
+        self._server: Any = None
+
+    def gateway_for(self, session_id: str | None) -> Gateway | None:
+        entry = self._sessions.get(session_id) if session_id else None
+        return entry[0] if entry is not None else None
+
+    def authorized(self, session_id: str | None, authorization: str) -> bool:
+        entry = self._sessions.get(session_id) if session_id else None
+        # An unknown session is not a secret: it is answered 404.
+        return entry is None or bearer_matches(authorization, entry[1])
+
+    async def url(self) -> str:
+        """The server's base URL, started on first use (it lives as long as the loop)."""
+        async with self._starting:
+            if self._url is None:
+                self._server, _, self._url = await start_server(create_gateway_app(self))
+        return self._url
+
+    @contextlib.asynccontextmanager
+    async def episode(self, name: str, gateway: Gateway) -> AsyncIterator[OpenAIEndpoint]:
+        """Serve `gateway` as session `name` for the block; the agent's endpoint."""
+        token = secrets.token_urlsafe(24)
+        url = await self.url()
+        self._sessions[name] = (gateway, token)
+        try:
+            yield OpenAIEndpoint(f"{url}/v1/sessions/{name}", token)
+        finally:
+            del self._sessions[name]
+
+
+_hubs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EpisodeGateways] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def episode_gateways() -> EpisodeGateways:
+    """This event loop's `EpisodeGateways`."""
+    loop = asyncio.get_running_loop()
+    hub = _hubs.get(loop)
+    if hub is None:
+        hub = _hubs[loop] = EpisodeGateways()
+    return hub
 
 
 def task_from_env() -> dict[str, Any]:

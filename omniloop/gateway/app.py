@@ -29,9 +29,10 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, Protocol
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -156,18 +157,51 @@ def stream_chunks(
     return chunks
 
 
-def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI:
-    """The gateway's FastAPI application (module docstring)."""
+class Routes(Protocol):
+    """Which gateway serves a session, and who may call it."""
+
+    def gateway_for(self, session_id: str | None) -> Gateway | None:
+        """The gateway of `session_id` (None: of a call naming no session); None if none."""
+        ...
+
+    def authorized(self, session_id: str | None, authorization: str) -> bool:
+        """Whether a call with this `Authorization` header may use the session."""
+        ...
+
+
+class OneGateway:
+    """`Routes` of one gateway for every session, behind one token (or none)."""
+
+    def __init__(self, gateway: Gateway, token: str | None = None) -> None:
+        self.gateway = gateway
+        self.token = token
+
+    def gateway_for(self, session_id: str | None) -> Gateway | None:
+        return self.gateway
+
+    def authorized(self, session_id: str | None, authorization: str) -> bool:
+        return self.token is None or bearer_matches(authorization, self.token)
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an `Authorization` header carries `token` (compared in constant time)."""
+    return secrets.compare_digest(authorization.encode(), f"Bearer {token}".encode())
+
+
+def create_gateway_app(gateway: Gateway | Routes, *, token: str | None = None) -> FastAPI:
+    """The gateway's FastAPI application (module docstring): one gateway behind `token`, or
+    the sessions of several (`Routes`)."""
+    routes = OneGateway(gateway, token) if isinstance(gateway, Gateway) else gateway
     app = FastAPI(title="omniloop gateway", version="1")
 
-    @app.middleware("http")
-    async def bearer(request: Request, call_next: Any) -> Any:
-        if token is not None:
-            sent = request.headers.get("authorization", "")
-            if not secrets.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                return _error(401, "a valid bearer token (api_key) is required",
-                              "authentication_error", "invalid_api_key")  # fmt: skip
-        return await call_next(request)
+    def resolve(request: Request, session_id: str | None) -> Gateway | JSONResponse:
+        if not routes.authorized(session_id, request.headers.get("authorization", "")):
+            return _error(401, "a valid bearer token (api_key) is required",
+                          "authentication_error", "invalid_api_key")  # fmt: skip
+        found = routes.gateway_for(session_id)
+        if found is None:
+            return _error(404, f"no session {session_id!r}", "invalid_request_error", "not_found")
+        return found
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -177,16 +211,25 @@ def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI
             problems.append(f"{where}: {err['msg']}" if where else str(err["msg"]))
         return _error(400, "; ".join(problems), "invalid_request_error")
 
-    def models() -> dict[str, Any]:
-        entry = {"id": gateway.model, "object": "model", "created": 0, "owned_by": "omniloop"}
+    def models(request: Request, session_id: str | None = None) -> Any:
+        found = resolve(request, session_id)
+        if isinstance(found, JSONResponse):
+            return found
+        entry = {"id": found.model, "object": "model", "created": 0, "owned_by": "omniloop"}
         return {"object": "list", "data": [entry]}
 
     app.get("/v1/models")(models)
     app.get("/v1/sessions/{session_id}/models")(models)
 
-    async def complete(body: ChatCompletionRequest, request: Request, session_id: str) -> Any:
+    async def complete(
+        body: ChatCompletionRequest, request: Request, session_id: str | None
+    ) -> Any:
+        found = resolve(request, session_id)
+        if isinstance(found, JSONResponse):
+            return found
+        session_id = session_id or found.new_session_id()
         try:
-            choices = await gateway.complete(body, session_id)
+            choices = await found.complete(body, session_id)
         except ContextLengthError as err:
             return _error(400, str(err), "invalid_request_error", "context_length_exceeded")
         except TurnLimitError as err:
@@ -200,9 +243,9 @@ def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI
             return _error(400, str(err), "invalid_request_error")
         headers = {SESSION_HEADER: session_id}
         if not body.stream:
-            answer = completion_body(gateway, body, choices, session_id)
+            answer = completion_body(found, body, choices, session_id)
             return JSONResponse(answer, headers=headers)
-        chunks = stream_chunks(gateway, body, choices, session_id)
+        chunks = stream_chunks(found, body, choices, session_id)
 
         async def events() -> AsyncIterator[str]:
             for c in chunks:
@@ -213,8 +256,7 @@ def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        session_id = request.headers.get(SESSION_HEADER) or gateway.new_session_id()
-        return await complete(body, request, session_id)
+        return await complete(body, request, request.headers.get(SESSION_HEADER))
 
     @app.post("/v1/sessions/{session_id}/chat/completions")
     async def session_chat_completions(
@@ -222,32 +264,65 @@ def create_gateway_app(gateway: Gateway, *, token: str | None = None) -> FastAPI
     ) -> Any:
         return await complete(body, request, session_id)
 
-    def session_view(session_id: str, forget: bool) -> Any:
-        recording = gateway.close(session_id) if forget else gateway.recording(session_id)
+    def session_view(request: Request, session_id: str, forget: bool) -> Any:
+        found = resolve(request, session_id)
+        if isinstance(found, JSONResponse):
+            return found
+        recording = found.close(session_id) if forget else found.recording(session_id)
         if recording is None:
             return _error(404, f"no session {session_id!r}", "invalid_request_error", "not_found")
         return {
             "session": session_id,
             **recording.stats(),
             "trajectories": [
-                t.model_dump(mode="json") for t in gateway.trajectories(recording, session_id)
+                t.model_dump(mode="json") for t in found.trajectories(recording, session_id)
             ],
         }
 
     @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str) -> Any:
-        return session_view(session_id, forget=False)
+    async def get_session(session_id: str, request: Request) -> Any:
+        return session_view(request, session_id, forget=False)
 
     @app.delete("/v1/sessions/{session_id}")
-    async def delete_session(session_id: str) -> Any:
-        return session_view(session_id, forget=True)
+    async def delete_session(session_id: str, request: Request) -> Any:
+        return session_view(request, session_id, forget=True)
 
     return app
 
 
+class QuietServer(uvicorn.Server):
+    """uvicorn's server without its signal handlers: a gateway served inside another program
+    (a run's rollout) leaves SIGINT and SIGTERM to that program."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def start_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"
+) -> tuple[QuietServer, asyncio.Task[None], str]:
+    """`app` under uvicorn in this event loop, without signal handlers: the server, its task,
+    and its base URL once it listens. Stop it with `server.should_exit = True` and await the
+    task."""
+    # No lifespan (the app has no start-up or shut-down work): a server that lives as long as
+    # its event loop is then cancelled with the loop's other tasks, without a traceback.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
+    server = QuietServer(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            serving.result()
+            raise RuntimeError("the gateway's server stopped before it started")
+        await asyncio.sleep(0.005)
+    bound = server.servers[0].sockets[0].getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    return server, serving, f"http://{shown}:{bound[1]}"
+
+
 @contextlib.asynccontextmanager
 async def serve_gateway(
-    gateway: Gateway,
+    gateway: Gateway | Routes,
     *,
     token: str | None = None,
     host: str = "127.0.0.1",
@@ -256,22 +331,10 @@ async def serve_gateway(
 ) -> AsyncIterator[str]:
     """The gateway under uvicorn in this event loop for the block; yields its base URL
     (`http://HOST:PORT`, port 0 picks a free one)."""
-    import uvicorn
-
-    config = uvicorn.Config(
-        create_gateway_app(gateway, token=token), host=host, port=port, log_level=log_level
-    )
-    server = uvicorn.Server(config)
-    serving = asyncio.create_task(server.serve())
+    app = create_gateway_app(gateway, token=token)
+    server, serving, url = await start_server(app, host, port, log_level)
     try:
-        while not server.started:
-            if serving.done():
-                serving.result()
-                raise RuntimeError("the gateway's server stopped before it started")
-            await asyncio.sleep(0.01)
-        bound = server.servers[0].sockets[0].getsockname()
-        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        yield f"http://{shown}:{bound[1]}"
+        yield url
     finally:
         server.should_exit = True
         await serving

@@ -106,6 +106,7 @@ class Gateway:
         max_turns: int | None = None,
         on_abort: Literal["hold", "retry_after"] = "hold",
         hold_s: float = 600.0,
+        chat: ChatFormat | None = None,
     ) -> None:
         """`model`: the name `/v1/models` lists; `max_context`: most tokens of a segment;
         `max_new_tokens`: a reply's limit when the request sets none.
@@ -120,7 +121,10 @@ class Gateway:
         with `on_abort="hold"` the gateway samples the reply again, for up to `hold_s`
         seconds (the paused engine holds the new request until the sync is over), so no
         client call fails because of a sync; with `retry_after` the call is answered 429 with
-        `Retry-After`. An aborted attempt's partial output is never recorded."""
+        `Retry-After`. An aborted attempt's partial output is never recorded.
+
+        `chat`: the chat format of requests without tools, if one is at hand (built otherwise;
+        building one renders the template a few times)."""
         self.on_abort = on_abort
         self.hold_s = hold_s
         self.engine = engine
@@ -134,6 +138,10 @@ class Gateway:
         self.aborted_attempts = 0
         """Engine replies aborted (and sampled again, or answered 429)."""
         self._formats: dict[str, ChatFormat] = {}
+        if chat is not None:
+            if chat.tools:
+                raise ValueError("Gateway(chat=...) is the format of requests without tools")
+            self._formats[json.dumps([])] = chat
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
 
     # -- sessions -------------------------------------------------------------------------------

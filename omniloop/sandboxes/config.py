@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import posixpath
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from omniloop.config import StrictModel
 
@@ -40,6 +41,10 @@ class SandboxLimits(StrictModel):
     """Seconds after creation when the reaper may remove the sandbox whatever its state."""
 
 
+_KERNEL_DIRS = ("/proc", "/sys", "/dev", "/run")
+"""Host folders `read_only_paths` may not expose."""
+
+
 class SandboxConfig(StrictModel):
     """Which backend isolates tools, and how."""
 
@@ -55,6 +60,10 @@ class SandboxConfig(StrictModel):
     """The writable workspace inside the sandbox; tools run there."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment variables for every command (the host environment is never passed)."""
+    read_only_paths: list[str] = Field(default_factory=list)
+    """Host folders or files visible inside the sandbox at the same path, read-only (bwrap:
+    binds; docker and gvisor: read-only bind mounts of the Docker host's paths): e.g. the
+    virtual environment an MCP server runs from. Absolute; never `/` or the workspace."""
     egress_allowlist: list[str] | None = None
     """Opt-in outbound access (`docker` backend): `host:port` entries (`*.example.com:443`
     matches subdomains) reachable through a per-sandbox egress proxy, which the sandbox finds in
@@ -71,6 +80,31 @@ class SandboxConfig(StrictModel):
     takes down that process, not the one running episodes); a URL (`http://host:8765`): a
     running sandboxd (`omniloop sandbox serve`; its token in `OMNILOOP_SANDBOXD_TOKEN`), whose
     host decides `auto`; `in_process`: the process itself (no isolation; for debugging)."""
+
+    @field_validator("read_only_paths")
+    @classmethod
+    def _read_only_paths(cls, value: list[str], info: ValidationInfo) -> list[str]:
+        workdir = posixpath.normpath(str(info.data.get("workdir", "/workspace")))
+        out = []
+        for path in value:
+            normal = posixpath.normpath(path)
+            if not path.startswith("/") or normal == "/":
+                raise ValueError(
+                    f"read_only_paths entry {path!r} must be an absolute path other than /"
+                )
+            kernel = any(normal == d or normal.startswith(d + "/") for d in _KERNEL_DIRS)
+            if kernel or normal.endswith(".sock"):
+                raise ValueError(
+                    f"read_only_paths entry {path!r} would expose the host's kernel interfaces "
+                    "or a service socket to the sandbox; it is refused"
+                )
+            inside = normal.startswith(workdir + "/") or workdir.startswith(normal + "/")
+            if normal == workdir or inside:
+                raise ValueError(
+                    f"read_only_paths entry {path!r} overlaps the workspace {workdir!r}"
+                )
+            out.append(normal)
+        return out
 
     @field_validator("service")
     @classmethod

@@ -122,12 +122,14 @@ def bwrap_prefix(
     workspace: Path,
     workdir: str,
     env: Sequence[str],
+    read_only: Sequence[str] = (),
 ) -> list[str]:
     """Everything of a command's command line before bwrap's `--` and the command.
 
     `setpriv` (when set) switches to `host_uid`; `tmp` is the sandbox's persistent `/tmp`
     folder, or None for a sized tmpfs that bwrap creates for each command; `env` is the bwrap
-    options of the base environment (see `env_args`).
+    options of the base environment (see `env_args`); `read_only`: host paths bound read-only
+    at the same path.
     """
     own_uid = setpriv is not None
     args = [prlimit, *(f"--{n}={v}:{v}" for n, v in rlimits(limits, controllers, own_uid)), "--"]
@@ -148,6 +150,8 @@ def bwrap_prefix(
     else:
         args += ["--perms", "1777", "--size", str(limits.tmp_mb * _MIB), "--tmpfs", "/tmp"]
     args += ["--bind", str(workspace), workdir, "--chdir", workdir]
+    for path in read_only:  # SandboxConfig.read_only_paths, last: /tmp's mount would hide them
+        args += ["--ro-bind", path, path]
     args += ["--remount-ro", "/"]
     args += ["--clearenv", *env]
     return args

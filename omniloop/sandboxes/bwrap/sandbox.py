@@ -69,6 +69,14 @@ def _check_config(config: SandboxConfig) -> list[str]:
     return parts
 
 
+def _existing(paths: list[str]) -> list[str]:
+    """`SandboxConfig.read_only_paths`, each of which must exist on the host."""
+    missing = [path for path in paths if not os.path.exists(path)]
+    if missing:
+        raise ConfigError(f"read_only_paths {missing} do not exist on this host")
+    return paths
+
+
 class BwrapSandbox:
     """A bubblewrap sandbox (see the package docstring for what it enforces and how).
 
@@ -136,6 +144,7 @@ class BwrapSandbox:
             workspace=self.workspace,
             workdir=self.workdir,
             env=self._base_env,
+            read_only=_existing(self.config.read_only_paths),
         )
         self._launcher = Launcher(self.root / "launcher.log", self._cgroups)
         self._launcher.start()

@@ -86,7 +86,7 @@ async def create_egress(
     proxy_limits = config.limits.model_copy(
         update={"memory_mb": 256, "tmp_mb": 16, "workspace_mb": 16, "pids": 64, "cpus": 0.5}
     )
-    proxy_config = config.model_copy(update={"limits": proxy_limits})
+    proxy_config = config.model_copy(update={"limits": proxy_limits, "read_only_paths": []})
     host_config = host_config_for(host.api, proxy_config, runtime=None, network_mode=name)
     source = await asyncio.to_thread(Path(egress_proxy.__file__).read_text)
     proxy = await host.call(

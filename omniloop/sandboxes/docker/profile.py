@@ -88,6 +88,7 @@ def host_config_for(
         ulimits=ulimits,
         init=True,
         ipc_mode="private",
+        binds={path: {"bind": path, "mode": "ro"} for path in config.read_only_paths} or None,
         oom_score_adj=500,
         auto_remove=True,
         log_config=LogConfig(type="json-file", config={"max-size": "10m", "max-file": "3"}),
