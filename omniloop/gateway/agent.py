@@ -21,7 +21,8 @@ Outcomes: an engine failure behind any call is `engine_error` (an infrastructure
 never trained as a zero reward), whatever the agent made of it. An agent that raises or
 exits non-zero for another reason has failed the task: its episode is scored as it stands
 and counted (`gateway/agent_errors`). Per episode: `gateway/calls`, `gateway/segments`,
-`gateway/prefix_stability`, `gateway/fresh_segments`.
+`gateway/fresh_segments`, `gateway/resent_calls`, `gateway/stable_calls` (a step's
+`gateway/prefix_stability` is its stable over its resent calls).
 
 Not covered: only the last reply's segment is trained; other segments (forks, or fresh
 segments after the agent rewrote its history) are counted, not trained.
@@ -163,7 +164,8 @@ class OpenAIAgent:
                     "gateway/calls": float(stats["calls"]),
                     "gateway/segments": float(stats["segments"]),
                     "gateway/fresh_segments": float(stats["fresh_segments"]),
-                    "gateway/prefix_stability": float(stats["prefix_stability"]),
+                    "gateway/resent_calls": float(stats["resent_calls"]),
+                    "gateway/stable_calls": float(stats["stable_calls"]),
                 }
             )
             if recording.ended_by == "max_turns":

@@ -26,6 +26,8 @@ The step-level keys the controller reports (see `step_metrics` for the rollout-d
   closed; `perf/train_seconds`: the optimizer step itself; `perf/train_wait_seconds`: how long
   the actor waited for the step's last micro-batch; `perf/sync_seconds`: weight sync.
 - `actor/…`: what the trainer backend reports for its step (loss, grad norm, clip fractions…).
+- Counters the episodes report (`tool_calls/…`, `media/…`, `gateway/…`) are summed over the
+  step; `gateway/prefix_stability` is the step's stable calls over its resent calls.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ def step_metrics(episodes: Sequence[EpisodeSummary]) -> dict[str, float]:
         for key, value in e.metrics.items():
             totals[key] = totals.get(key, 0.0) + value
     out.update(totals)
+    if totals.get("gateway/resent_calls"):
+        out["gateway/prefix_stability"] = (
+            totals.get("gateway/stable_calls", 0.0) / totals["gateway/resent_calls"]
+        )
     return out
 
 

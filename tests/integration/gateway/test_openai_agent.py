@@ -95,7 +95,8 @@ async def test_a_callable_agent_s_calls_are_the_trajectory(tiny_engine_url: str)
     assert all(len(ids) <= 8 for ids in replies)  # the rollout's cap, not the agent's 400
     assert len(trajectory.meta.turns) == 2
     assert trajectory.meta.metrics["gateway/calls"] == 2
-    assert trajectory.meta.metrics["gateway/prefix_stability"] == 1.0
+    assert trajectory.meta.metrics["gateway/resent_calls"] == 1.0  # the second call
+    assert trajectory.meta.metrics["gateway/stable_calls"] == 1.0
 
 
 async def test_a_command_agent_gets_the_endpoint_and_the_task(

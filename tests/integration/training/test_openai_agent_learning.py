@@ -70,6 +70,6 @@ def test_every_trajectory_is_the_agent_s_one_call(hunt_run: Path) -> None:
         for trajectory in read_jsonl(path):
             assert len(trajectory["meta"]["turns"]) == 1
             assert trajectory["meta"]["metrics"]["gateway/calls"] == 1
-            assert trajectory["meta"]["metrics"]["gateway/prefix_stability"] == 1.0
+            assert trajectory["meta"]["metrics"]["gateway/resent_calls"] == 0
             turn = trajectory["meta"]["turns"][0]
             assert sum(trajectory["loss_mask"]) == turn["num_sampled"]
