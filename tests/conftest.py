@@ -6,9 +6,11 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -145,3 +147,38 @@ def sandboxd_class() -> type[Sandboxd]:
     """`sandboxd_class(log_path, *cli_args)`: a sandboxd subprocess (tests are no package, so
     the class travels as a fixture)."""
     return Sandboxd
+
+
+# -- read-only paths ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def shared_folder() -> Iterator[Path]:
+    """A host folder for `SandboxConfig.read_only_paths`: under /tmp with 0755, so a sandbox's
+    own user may read it (pytest's tmp_path is 0700), holding `data.txt`, writable by anyone
+    (only a read-only mount may stop a write)."""
+    folder = Path(tempfile.mkdtemp(prefix="omniloop-ro-", dir="/tmp"))
+    os.chmod(folder, 0o755)
+    (folder / "data.txt").write_text("seen from inside\n")
+    os.chmod(folder / "data.txt", 0o666)
+    try:
+        yield folder
+    finally:
+        (folder / "data.txt").unlink(missing_ok=True)
+        folder.rmdir()
+
+
+async def _readable_not_writable(sandbox: Any, folder: Path) -> None:
+    read = await sandbox.exec(["cat", str(folder / "data.txt")])
+    assert read.stdout == "seen from inside\n"
+    write = await sandbox.exec(["sh", "-c", f"echo x > {folder}/data.txt"])
+    assert write.exit_code != 0
+    assert "Read-only file system" in write.stderr
+    assert (folder / "data.txt").read_text() == "seen from inside\n"
+
+
+@pytest.fixture
+def check_read_only() -> Callable[[Any, Path], Awaitable[None]]:
+    """`await check_read_only(sandbox, shared_folder)`: the folder is readable inside the
+    sandbox at its own path and a write to it fails on the read-only mount."""
+    return _readable_not_writable

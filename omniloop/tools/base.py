@@ -158,6 +158,14 @@ class ToolArgumentError(ToolError):
     """The model's arguments do not fit the tool's schema; the message says how."""
 
 
+def function_schema(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAI/Qwen function schema of a tool: `{"type": "function", "function": {...}}`."""
+    return {
+        "type": "function",
+        "function": {"name": name, "description": description, "parameters": parameters},
+    }
+
+
 @runtime_checkable
 class Tool(Protocol):
     """Anything the model can call: a `@tool` function, or a tool served elsewhere (MCP).
@@ -367,14 +375,7 @@ class FunctionTool(Generic[P, R]):
     @property
     def schema(self) -> dict[str, Any]:
         """The OpenAI/Qwen function schema: `{"type": "function", "function": {...}}`."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
+        return function_schema(self.name, self.description, self.parameters)
 
     def signature_text(self) -> str:
         """The expected arguments in one line, e.g. `add(a: integer, b: integer = 1)`."""

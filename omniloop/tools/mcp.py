@@ -45,7 +45,7 @@ from mcp_types.version import LATEST_HANDSHAKE_VERSION
 from omniloop.errors import ConfigError, ToolError
 from omniloop.modalities.media import MediaData, MediaKind
 from omniloop.tools import mcp_stdio_shim
-from omniloop.tools.base import ToolArgumentError, ToolContext, ToolResult
+from omniloop.tools.base import ToolArgumentError, ToolContext, ToolResult, function_schema
 
 CLIENT_INFO = {"name": "omniloop", "version": "1"}
 
@@ -112,14 +112,7 @@ class MCPTool:
     @property
     def schema(self) -> dict[str, Any]:
         """The OpenAI/Qwen function schema of the server's tool."""
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.parameters,
-            },
-        }
+        return function_schema(self.name, self.description, self.parameters)
 
     async def call(self, arguments: Mapping[str, Any], ctx: ToolContext) -> str | ToolResult:
         """Check the arguments against the server's schema, call the tool, render its answer."""
