@@ -26,7 +26,7 @@ from omniloop.agents.base import turn_seed
 from omniloop.agents.chat import ChatFormat, Message
 from omniloop.errors import EngineError
 from omniloop.gateway.openai_wire import ChatCompletionRequest, render_form, to_chat
-from omniloop.gateway.recorder import Canonical, Point, Segment, SessionRecording, canonical
+from omniloop.gateway.recorder import Point, Segment, SessionRecording, canonical
 from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
 from omniloop.tools import parse_tool_calls
 from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta, TurnRecord
@@ -222,6 +222,9 @@ class Gateway:
         seed: int | None,
         index: int,
     ) -> Choice:
+        if self.max_turns is not None and recording.engine_calls >= self.max_turns:
+            recording.ended_by = "max_turns"
+            raise TurnLimitError(f"the session has had its {self.max_turns} replies (max_turns)")
         match = recording.match(messages, key)
         point = match.point
         base: Segment | None = match.segment
@@ -236,9 +239,6 @@ class Gateway:
             closed = point.closed if point is not None else True
             added = chat.observation_ids(new, closed=closed) if new else []
         prompt = [*before, *added]
-        if self.max_turns is not None and recording.engine_calls >= self.max_turns:
-            recording.ended_by = "max_turns"
-            raise TurnLimitError(f"the session has had its {self.max_turns} replies (max_turns)")
         room = self.max_context - len(prompt)
         if room <= 0:
             recording.ended_by = "context_limit"
@@ -279,17 +279,11 @@ class Gateway:
         closed = bool(ids) and chat.is_closing(ids[-1])
         text = chat.decode(ids[:-1] if closed else ids)
         if not closed and out.finish_reason == "stop":
-            text = _cut_at_stop(text, request.stop_list)
+            text = _cut_at_stop(text, params.stop or [])
         content, calls = self._reply(text, parse=request.tool_choice != "none")
-        segment.messages.append(
-            Canonical(
-                "assistant",
-                content,
-                tuple(
-                    (c["function"]["name"], _sorted_json(c["function"]["arguments"])) for c in calls
-                ),
-            )
-        )
+        # Recorded as a client resending the reply would send it (the same parse).
+        reply = {"role": "assistant", "content": content, "tool_calls": calls}
+        segment.messages.append(canonical(to_chat([reply])[0]))
         segment.turns.append(
             TurnRecord(
                 start=start,
@@ -379,7 +373,3 @@ class Gateway:
                 }
             )
         return content.strip(), calls
-
-
-def _sorted_json(arguments: str) -> str:
-    return json.dumps(json.loads(arguments), sort_keys=True, ensure_ascii=False)
