@@ -5,7 +5,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-loaded lint typecheck pytest bench clean
+.PHONY: setup run test test-loaded lint typecheck pytest bench clean images up down
 
 setup:
 	@bash scripts/setup.sh
@@ -28,6 +28,16 @@ test: lint typecheck pytest
 # The whole `make test` beside two busy loops: timing assertions must hold on a loaded machine.
 test-loaded: setup
 	bash scripts/busy-loops.sh $(MAKE) --no-print-directory test
+
+# The dev stack (compose.yaml): build its images, start it (and wait until it is ready), stop it.
+images: setup
+	bash scripts/stack.sh images
+
+up: setup
+	bash scripts/stack.sh up
+
+down:
+	bash scripts/stack.sh down
 
 bench: setup
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(bubblewrap libseccomp2 uidmap busybox-static debootstrap docker.io procps iproute2 postgresql chromium runsc)
+APT_PACKAGES=(bubblewrap libseccomp2 uidmap busybox-static debootstrap docker.io docker-compose procps iproute2 postgresql chromium runsc)
 
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
