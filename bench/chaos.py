@@ -81,7 +81,7 @@ class Killer:
                 return
         while not self._stop.wait(self._every):
             role = self._random.choice(ROLES)
-            pids = replica_pids(role)
+            pids = replica_pids(role, within=os.getpid())
             if not pids:
                 continue
             pid = self._random.choice(pids)

@@ -15,7 +15,12 @@ With a token, every route needs `Authorization: Bearer <token>` (an OpenAI clien
 `api_key`). Errors are OpenAI's shape, `{"error": {"message", "type", "code"}}`: 400 for a
 request the gateway cannot take (the message names the field), 401, 404 for an unknown
 session, 502 when the engine fails, 429 with `Retry-After` when it aborted the request (a
-weight sync) and the gateway does not hold calls (`Gateway.on_abort`).
+weight sync) and the gateway does not hold calls (`Gateway.on_abort`), 503 (with
+`Retry-After` when it is worth retrying) while no engine is at hand (`GatewayUnavailable`).
+
+`gateway_router(routes)` is these routes as a FastAPI router, for a server that serves more
+(`omniloop serve` mounts it beside its REST API, whose token guard then decides who may call);
+`create_gateway_app` is a server of the gateway alone.
 
 Streaming sends the reply once it is sampled, in pieces: each token's text (or, for a reply
 with tool calls, its content and then each call), with the same ids and text as a
@@ -29,13 +34,14 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any, Protocol
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 
 from omniloop.errors import EngineError
 from omniloop.gateway.completions import (
@@ -57,12 +63,17 @@ def _error(
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
+def _logprob(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 def _logprobs(choice: Choice, start: int = 0, end: int | None = None) -> dict[str, Any]:
-    pairs = zip(choice.token_texts[start:end], choice.logprobs[start:end], strict=True)
+    texts, logprobs = choice.token_texts[start:end], choice.logprobs[start:end]
+    tops = choice.top_logprobs[start:end] or [[] for _ in texts]
     return {
         "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in pairs
+            {**_logprob(t, lp), "top_logprobs": [_logprob(*alt) for alt in top]}
+            for t, lp, top in zip(texts, logprobs, tops, strict=True)
         ]
     }
 
@@ -157,11 +168,22 @@ def stream_chunks(
     return chunks
 
 
+class GatewayUnavailable(Exception):
+    """No gateway can answer now (e.g. the server's engine is starting, or it runs none)."""
+
+    def __init__(self, reason: str, retry_after: int | None = None) -> None:
+        """`reason`: what the client is told; `retry_after`: seconds worth waiting before a
+        retry (None: retrying will not help until the server is changed)."""
+        super().__init__(reason)
+        self.retry_after = retry_after
+
+
 class Routes(Protocol):
     """Which gateway serves a session, and who may call it."""
 
     def gateway_for(self, session_id: str | None) -> Gateway | None:
-        """The gateway of `session_id` (None: of a call naming no session); None if none."""
+        """The gateway of `session_id` (None: of a call naming no session); None if none.
+        Raises `GatewayUnavailable` when no gateway can answer now."""
         ...
 
     def authorized(self, session_id: str | None, authorization: str) -> bool:
@@ -188,28 +210,42 @@ def bearer_matches(authorization: str, token: str) -> bool:
     return secrets.compare_digest(authorization.encode(), f"Bearer {token}".encode())
 
 
-def create_gateway_app(gateway: Gateway | Routes, *, token: str | None = None) -> FastAPI:
-    """The gateway's FastAPI application (module docstring): one gateway behind `token`, or
-    the sessions of several (`Routes`)."""
-    routes = OneGateway(gateway, token) if isinstance(gateway, Gateway) else gateway
-    app = FastAPI(title="omniloop gateway", version="1")
+class OpenAIErrorRoute(APIRoute):
+    """A route whose invalid requests are answered in OpenAI's error shape (400), whatever
+    the application around it answers for its own routes."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                problems = []
+                for err in exc.errors():
+                    where = ".".join(str(p) for p in err["loc"] if p != "body")
+                    problems.append(f"{where}: {err['msg']}" if where else str(err["msg"]))
+                return _error(400, "; ".join(problems), "invalid_request_error")
+
+        return handle
+
+
+def gateway_router(routes: Routes, *, include_in_schema: bool = True) -> APIRouter:
+    """The gateway's routes (module docstring) over `routes`."""
+    router = APIRouter(route_class=OpenAIErrorRoute, include_in_schema=include_in_schema)
 
     def resolve(request: Request, session_id: str | None) -> Gateway | JSONResponse:
         if not routes.authorized(session_id, request.headers.get("authorization", "")):
             return _error(401, "a valid bearer token (api_key) is required",
                           "authentication_error", "invalid_api_key")  # fmt: skip
-        found = routes.gateway_for(session_id)
+        try:
+            found = routes.gateway_for(session_id)
+        except GatewayUnavailable as err:
+            retry = {} if err.retry_after is None else {"Retry-After": str(err.retry_after)}
+            return _error(503, str(err), "server_error", "unavailable", **retry)
         if found is None:
             return _error(404, f"no session {session_id!r}", "invalid_request_error", "not_found")
         return found
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"] if p != "body")
-            problems.append(f"{where}: {err['msg']}" if where else str(err["msg"]))
-        return _error(400, "; ".join(problems), "invalid_request_error")
 
     def models(request: Request, session_id: str | None = None) -> Any:
         found = resolve(request, session_id)
@@ -218,8 +254,8 @@ def create_gateway_app(gateway: Gateway | Routes, *, token: str | None = None) -
         entry = {"id": found.model, "object": "model", "created": 0, "owned_by": "omniloop"}
         return {"object": "list", "data": [entry]}
 
-    app.get("/v1/models")(models)
-    app.get("/v1/sessions/{session_id}/models")(models)
+    router.get("/v1/models")(models)
+    router.get("/v1/sessions/{session_id}/models")(models)
 
     async def complete(
         body: ChatCompletionRequest, request: Request, session_id: str | None
@@ -254,11 +290,11 @@ def create_gateway_app(gateway: Gateway | Routes, *, token: str | None = None) -
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
-    @app.post("/v1/chat/completions")
+    @router.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await complete(body, request, request.headers.get(SESSION_HEADER))
 
-    @app.post("/v1/sessions/{session_id}/chat/completions")
+    @router.post("/v1/sessions/{session_id}/chat/completions")
     async def session_chat_completions(
         session_id: str, body: ChatCompletionRequest, request: Request
     ) -> Any:
@@ -279,14 +315,23 @@ def create_gateway_app(gateway: Gateway | Routes, *, token: str | None = None) -
             ],
         }
 
-    @app.get("/v1/sessions/{session_id}")
+    @router.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request) -> Any:
         return session_view(request, session_id, forget=False)
 
-    @app.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str, request: Request) -> Any:
         return session_view(request, session_id, forget=True)
 
+    return router
+
+
+def create_gateway_app(gateway: Gateway | Routes, *, token: str | None = None) -> FastAPI:
+    """The gateway's FastAPI application (module docstring): one gateway behind `token`, or
+    the sessions of several (`Routes`)."""
+    routes = OneGateway(gateway, token) if isinstance(gateway, Gateway) else gateway
+    app = FastAPI(title="omniloop gateway", version="1")
+    app.include_router(gateway_router(routes))
     return app
 
 

@@ -62,6 +62,9 @@ class Choice:
     logprobs: list[float]
     token_texts: list[str]
     """Each sampled token's text (its share of the decoded turn)."""
+    top_logprobs: list[list[tuple[str, float]]]
+    """Per sampled token, the request's `top_logprobs` most likely tokens, as (text, logprob),
+    highest first; empty when not asked."""
     prompt_tokens: int
     weight_version: int
     segment: int
@@ -249,7 +252,7 @@ class Gateway:
         params = self._params(request, chat, seed, room, recording.engine_calls)
         started = time.perf_counter()
         try:
-            out = await self._generate(prompt, params)
+            out = await self._generate(prompt, params, request.top_logprobs or 0)
         except EngineError:
             recording.ended_by = "engine_error"
             raise
@@ -304,17 +307,26 @@ class Gateway:
             token_ids=ids,
             logprobs=list(out.output_logprobs),
             token_texts=token_texts(chat, ids) if request.logprobs or request.stream else [],
+            top_logprobs=[
+                [(chat.decode([token]), logprob) for token, logprob in step]
+                for step in out.top_logprobs or []
+            ],
             prompt_tokens=len(prompt),
             weight_version=out.weight_version,
             segment=segment.index,
         )
 
-    async def _generate(self, prompt: list[int], params: SamplingParams) -> GenerateOutput:
+    async def _generate(
+        self, prompt: list[int], params: SamplingParams, top_logprobs: int
+    ) -> GenerateOutput:
         """The engine's reply, sampled again while a sync aborts it (`on_abort`)."""
         deadline = time.monotonic() + self.hold_s
         pause = 0.05
         while True:
-            out = await self.engine.generate(prompt, params)
+            if top_logprobs:
+                out = await self.engine.generate(prompt, params, top_logprobs=top_logprobs)
+            else:
+                out = await self.engine.generate(prompt, params)
             if out.finish_reason != "abort":
                 return out
             self.aborted_attempts += 1

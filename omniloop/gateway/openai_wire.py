@@ -2,9 +2,9 @@
 
 Requests follow OpenAI's shapes (`messages` with `tool_calls` and `tool_call_id`, `tools`,
 `tool_choice`, `temperature`, `top_p`, `max_tokens` / `max_completion_tokens`, `stop`, `n`,
-`seed`, `stream`, `logprobs`). A field OpenAI defines that the gateway cannot honour is refused
-with a message naming it (`top_logprobs` above 0, `tool_choice` that forces a call, media
-parts); fields that change nothing here (`user`, `metadata`, `store`, `parallel_tool_calls`,
+`seed`, `stream`, `logprobs`, `top_logprobs`). A field OpenAI defines that the gateway cannot
+honour is refused with a message naming it (a `tool_choice` that forces a call, penalties,
+media parts); fields that change nothing here (`user`, `metadata`, `store`, `parallel_tool_calls`,
 `stream_options` other than `include_usage`, ...) are accepted and ignored; any other field is
 an error naming it.
 
@@ -85,9 +85,8 @@ class ChatCompletionRequest(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> ChatCompletionRequest:
-        if self.top_logprobs:
-            raise ValueError("top_logprobs is not supported (the engine returns the sampled "
-                             "token's logprob only); leave it out or send 0")  # fmt: skip
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice not in (None, "auto", "none"):
             raise ValueError(
                 f"tool_choice {self.tool_choice!r} is not supported: the gateway cannot force a "

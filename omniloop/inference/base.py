@@ -59,6 +59,10 @@ class GenerateOutput(BaseModel):
     completion_tokens: int = 0
     cached_tokens: int = 0
     """Prompt tokens the engine served from its prefix cache."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """When asked (`Engine.generate`'s `top_logprobs`): per output token, that many of the most
+    likely tokens of the distribution `output_logprobs` come from, as (token_id, logprob),
+    highest first. None when not asked."""
 
     @model_validator(mode="after")
     def _one_version_per_token(self) -> GenerateOutput:
@@ -67,6 +71,10 @@ class GenerateOutput(BaseModel):
         elif len(self.weight_versions) != len(self.output_ids):
             raise ValueError(
                 f"{len(self.output_ids)} output ids but {len(self.weight_versions)} weight versions"
+            )
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.output_ids):
+            raise ValueError(
+                f"{len(self.output_ids)} output ids but {len(self.top_logprobs)} top logprob lists"
             )
         return self
 
@@ -79,11 +87,16 @@ class Engine(Protocol):
         input_ids: list[int],
         sampling: SamplingParams,
         media: Sequence[MediaData] = (),
+        *,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
         """Sample a continuation of `input_ids`; raise `EngineError` if the engine fails.
 
         `input_ids` hold every media item's placeholder block already expanded (as many
         placeholder ids as the model's processor makes of the item); `media` are the items,
         in the order of their blocks (sent as SGLang's `image_data`, `audio_data`,
-        `video_data`, one list per kind)."""
+        `video_data`, one list per kind).
+        `top_logprobs` above 0 fills `GenerateOutput.top_logprobs` with that many tokens per
+        output token (SGLang's `top_logprobs_num`); callers pass it only when above 0, so an
+        engine that never returns them may leave the keyword out."""
         ...

@@ -74,8 +74,12 @@ def sampling_to_wire(sampling: SamplingParams) -> dict[str, Any]:
     return wire
 
 
-def parse_generate_output(data: Any) -> GenerateOutput:
-    """A `GenerateOutput` from one `/generate` result object; `EngineError` if unusable."""
+def parse_generate_output(data: Any, top_logprobs: int = 0) -> GenerateOutput:
+    """A `GenerateOutput` from one `/generate` result object; `EngineError` if unusable.
+
+    `top_logprobs` above 0: the request asked for them, so `meta_info.output_top_logprobs`
+    must hold a list per output token (it is read only then: some SGLang versions send the
+    key, empty, when nothing was asked)."""
     try:
         response = GenerateResponse.model_validate(data)
     except ValueError as err:
@@ -95,6 +99,18 @@ def parse_generate_output(data: Any) -> GenerateOutput:
     version = parse_weight_version(meta.weight_version)
     if version is None:
         raise EngineError(f"engine weight_version {meta.weight_version!r} is not an integer")
+    top = None
+    if top_logprobs > 0:
+        if meta.output_top_logprobs is None or len(meta.output_top_logprobs) != len(ids):
+            got = "none" if meta.output_top_logprobs is None else len(meta.output_top_logprobs)
+            raise EngineError(
+                f"engine result {meta.id!r} has {len(ids)} output ids but {got} top logprob "
+                f"lists (asked for top_logprobs_num={top_logprobs})"
+            )
+        top = [
+            [(token, float(lp)) for lp, token, _ in step or () if lp is not None]
+            for step in meta.output_top_logprobs
+        ]
     versions = meta.output_token_weight_versions
     if versions is None:
         versions = [version] * len(ids)
@@ -112,6 +128,7 @@ def parse_generate_output(data: Any) -> GenerateOutput:
         prompt_tokens=meta.prompt_tokens,
         completion_tokens=meta.completion_tokens,
         cached_tokens=meta.cached_tokens,
+        top_logprobs=top,
     )
 
 
@@ -247,21 +264,28 @@ class EngineClient:
         input_ids: list[int],
         sampling: SamplingParams,
         media: Sequence[MediaData] = (),
+        *,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
         """Sample a continuation of `input_ids` (see `base.Engine`); `EngineError` on failure.
 
         Media travel in SGLang's `image_data`, `audio_data` and `video_data` (in block order,
         in the client's `media_encoder` form; encoded off the event loop), next to the
-        already expanded `input_ids`. `MediaError` if an item cannot be processed."""
+        already expanded `input_ids`. `MediaError` if an item cannot be processed.
+        `top_logprobs` above 0 is sent as SGLang's `top_logprobs_num` and fills
+        `GenerateOutput.top_logprobs` (an engine that returns none: `EngineError`)."""
         body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": sampling_to_wire(sampling),
             "return_logprob": True,
         }
+        if top_logprobs > 0:
+            # Sent only when asked, so plain requests still suit an engine that lacks the field.
+            body["top_logprobs_num"] = top_logprobs
         if media:
             body.update(await asyncio.to_thread(self._media_encoder, media))
         response = self._check("/generate", await self._send("POST", "/generate", body))
-        return parse_generate_output(response.json())
+        return parse_generate_output(response.json(), top_logprobs)
 
     async def generate_batch(
         self,

@@ -16,6 +16,8 @@ Contracts:
 - Logprobs are of the sampled token under the raw model distribution (temperature 1, no top-k
   or top-p truncation): `log_softmax(logits)[token]`, the quantity a trainer scoring at
   temperature 1 recomputes. (SGLang can also return processed-distribution logprobs; not here.)
+  A request's `top_logprobs_num` most likely tokens per step come from that same distribution
+  (`GenerationResult.output_top_logprobs`), computed only for the rows that ask.
 - Stop order after each sampled token: an EOS id (unless `ignore_eos`) or a `stop_token_ids`
   id (the token is kept in `output_ids`), then a stop string found in the decoded tail, then
   `max_new_tokens`, then the context length. SGLang checks `max_new_tokens` first; here a
@@ -130,6 +132,8 @@ class _Sequence:
     """Prompt tokens taken from the prefix cache."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """Filled only when the request asks (`top_logprobs_num` above 0)."""
     versions: list[int] = field(default_factory=list)
     finish: tuple[FinishType, int | str | None, str | None] | None = None
 
@@ -331,6 +335,11 @@ class EngineCore:
             )
         if req.max_new_tokens is not None and req.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {req.max_new_tokens}")
+        if not 0 <= req.top_logprobs_num <= self.vocab_size:
+            raise ValueError(
+                f"top_logprobs_num must be between 0 and the vocabulary size "
+                f"({self.vocab_size}), got {req.top_logprobs_num}"
+            )
         self.validate_media(req.input_ids, req.media)
 
     def validate_media(self, input_ids: Sequence[int], media: Sequence[ProcessedMedia]) -> None:
@@ -722,11 +731,20 @@ class EngineCore:
         self._sample_and_finish(logits, seqs)
 
     def _sample_and_finish(self, logits: torch.Tensor, seqs: list[_Sequence]) -> None:
-        tokens, logprobs = sample(logits, [s.req for s in seqs], [s.generator for s in seqs])
+        sampled = sample(
+            logits,
+            [s.req for s in seqs],
+            [s.generator for s in seqs],
+            [s.req.top_logprobs_num for s in seqs],
+        )
         done = []
-        for seq, token, logprob in zip(seqs, tokens, logprobs, strict=True):
+        for seq, token, logprob, top in zip(
+            seqs, sampled.ids, sampled.logprobs, sampled.top_logprobs, strict=True
+        ):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
+            if top is not None:
+                seq.top_logprobs.append(top)
             seq.versions.append(self._weight_version)
             seq.finish = self._check_finish(seq)
             if seq.finish is not None:
@@ -792,6 +810,12 @@ class EngineCore:
         token_texts = (
             [self.decode_text([t], False) for t in seq.output_ids] if req.token_texts else None
         )
+        top = list(seq.top_logprobs) if req.top_logprobs_num > 0 else None
+        top_texts = (
+            [[self.decode_text([t], False) for _, t in step] for step in top]
+            if top is not None and req.token_texts
+            else None
+        )
         _resolve(
             seq.future,
             GenerationResult(
@@ -808,6 +832,8 @@ class EngineCore:
                 text=text,
                 token_texts=token_texts,
                 e2e_latency=time.perf_counter() - seq.submitted,
+                output_top_logprobs=top,
+                top_token_texts=top_texts,
             ),
         )
 

@@ -34,7 +34,11 @@ class GenerationRequest:
     no_stop_trim: bool = False
     """Keep a matched stop string at the end of `GenerationResult.text`."""
     token_texts: bool = False
-    """Also decode each output token on its own (`GenerationResult.token_texts`)."""
+    """Also decode each output token on its own (`GenerationResult.token_texts`), and each
+    token of `GenerationResult.output_top_logprobs` (`top_token_texts`)."""
+    top_logprobs_num: int = 0
+    """How many of the most likely tokens, with their raw logprobs, to return per output token
+    (`GenerationResult.output_top_logprobs`); 0 none."""
     media: tuple[ProcessedMedia, ...] = ()
     """The prompt's media, processed, in the order of their placeholder blocks in `input_ids`
     (per kind; kinds may interleave). Only for a model that takes media."""
@@ -68,6 +72,13 @@ class GenerationResult:
     token_texts: list[str] | None
     e2e_latency: float
     """Seconds from submission to the result."""
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    """Per output token, the request's `top_logprobs_num` most likely tokens of the same raw
+    distribution `output_logprobs` come from, highest first, as (logprob, token_id); the
+    sampled token, when among them, has its `output_logprobs` value. None when not asked."""
+    top_token_texts: list[list[str]] | None = None
+    """The text of each token of `output_top_logprobs`, decoded on its own (with special
+    tokens), when the request asked for `token_texts` too; None otherwise."""
 
 
 @dataclass(frozen=True)

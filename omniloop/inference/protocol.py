@@ -20,10 +20,13 @@ Where this engine differs, it says so instead of guessing:
 - `weight_version` is a string in SGLang's JSON; here it always holds an integer counter
   ("0" at start). An update without `weight_version` increments it; SGLang leaves it as is.
 - `meta_info.output_token_logprobs` holds `[logprob, token_id, text|None]` triples for the
-  output tokens only; input logprobs and top-k logprobs are not implemented. With
-  `return_logprob`, `meta_info.output_token_weight_versions` (not SGLang's) holds the weight
-  version that sampled each output token, and `cached_tokens` counts the prompt tokens served
-  from the prefix cache (as SGLang does).
+  output tokens only; input logprobs are not implemented. `top_logprobs_num` with
+  `return_logprob` adds `meta_info.output_top_logprobs` in SGLang's shape (per output token,
+  its most likely tokens as such triples, highest first), at most `MAX_TOP_LOGPROBS_NUM` (20,
+  OpenAI's limit; SGLang has none). With `return_logprob`,
+  `meta_info.output_token_weight_versions` (not SGLang's) holds the weight version that
+  sampled each output token, and `cached_tokens` counts the prompt tokens served from the
+  prefix cache (as SGLang does).
 - An update that arrives while generation is paused (`in_place` or `retract`) lands at once,
   between two decode steps: running requests go on under the new weights after
   `/continue_generation`, none is aborted. Unpaused, an update waits for running requests to
@@ -68,7 +71,6 @@ _NEUTRAL_SAMPLING: dict[str, Any] = {
 _NEUTRAL_GENERATE: dict[str, Any] = {
     "stream": False,
     "logprob_start_len": -1,
-    "top_logprobs_num": 0,
     "token_ids_logprob": None,
     "return_hidden_states": False,
     "return_routed_experts": False,
@@ -82,6 +84,12 @@ _NEUTRAL_GENERATE: dict[str, Any] = {
 }
 # SGLang fields that only steer its logging: accepted with any value.
 _IGNORED_GENERATE = ("log_metrics", "no_logs")
+# Request fields that a batch may give once for all prompts or as a list with one per prompt.
+_PER_ITEM_GENERATE = ("sampling_params", "return_logprob", "top_logprobs_num", "rid")
+
+MAX_TOP_LOGPROBS_NUM = 20
+"""The most top logprobs `/generate` returns per output token (OpenAI's limit for
+`top_logprobs`; SGLang sets none)."""
 
 
 def _same_value(value: Any, neutral: Any) -> bool:
@@ -195,6 +203,10 @@ class GenerateReqInput(_Wire):
     """One for all prompts, or one per prompt of a batch."""
     return_logprob: bool | list[bool] | None = None
     """Add `meta_info.output_token_logprobs`."""
+    top_logprobs_num: int | list[int] | None = None
+    """With `return_logprob`: add `meta_info.output_top_logprobs`, this many of the most likely
+    tokens per output token (0 to `MAX_TOP_LOGPROBS_NUM`; 0 or null none). One for all
+    prompts, or one per prompt of a batch."""
     return_text_in_logprobs: bool = False
     """Fill the text slot of each logprob triple with the token's text."""
     rid: str | list[str] | None = None
@@ -232,7 +244,7 @@ class GenerateReqInput(_Wire):
             n = len(self.input_ids)
             if any(len(p) == 0 for p in self.batch_input_ids()):
                 raise ValueError("every prompt of a batch needs at least one token")
-            for name in ("sampling_params", "return_logprob", "rid"):
+            for name in _PER_ITEM_GENERATE:
                 value = getattr(self, name)
                 if isinstance(value, list) and len(value) != n:
                     raise ValueError(f"{name} has {len(value)} entries for a batch of {n}")
@@ -245,7 +257,7 @@ class GenerateReqInput(_Wire):
                         "per prompt: an item, a list of items, or null)"
                     )
         else:
-            for name in ("sampling_params", "return_logprob", "rid"):
+            for name in _PER_ITEM_GENERATE:
                 if isinstance(getattr(self, name), list):
                     raise ValueError(f"{name} is a list but input_ids is a single prompt")
             for kind in MediaKind:
@@ -256,6 +268,17 @@ class GenerateReqInput(_Wire):
                         "(strings or processor_output dicts), not a list of lists or nulls"
                     )
         return self
+
+    @field_validator("top_logprobs_num")
+    @classmethod
+    def _top_logprobs_num(cls, v: int | list[int] | None) -> int | list[int] | None:
+        for n in [v] if isinstance(v, int) else v or []:
+            if not 0 <= n <= MAX_TOP_LOGPROBS_NUM:
+                raise ValueError(
+                    f"top_logprobs_num must be between 0 and {MAX_TOP_LOGPROBS_NUM} "
+                    f"(the most this engine returns per token), got {n}"
+                )
+        return v
 
     @property
     def is_batch(self) -> bool:
@@ -277,6 +300,13 @@ class GenerateReqInput(_Wire):
     def item_return_logprob(self, i: int) -> bool:
         rl = self.return_logprob
         return bool(rl[i] if isinstance(rl, list) else rl)
+
+    def item_top_logprobs_num(self, i: int) -> int:
+        """Prompt `i`'s top logprobs per output token; 0 unless it also has `return_logprob`
+        (as SGLang: top logprobs come with the logprobs)."""
+        n = self.top_logprobs_num
+        num = (n[i] if isinstance(n, list) else n) or 0
+        return num if self.item_return_logprob(i) else 0
 
     def item_media(self, i: int) -> list[tuple[MediaKind, MediaSource]]:
         """Prompt `i`'s media items: its images, then its audio, then its videos, each kind
@@ -331,6 +361,10 @@ class GenerateMetaInfo(BaseModel):
     e2e_latency: float | None = None
     output_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
     """`[logprob, token_id, text|None]` per output token, when `return_logprob`."""
+    output_top_logprobs: list[list[tuple[float | None, int, str | None]] | None] | None = None
+    """With `return_logprob` and `top_logprobs_num` above 0: per output token, that many of the
+    most likely tokens of the distribution `output_token_logprobs` come from, highest first,
+    as `[logprob, token_id, text|None]` (text with `return_text_in_logprobs`)."""
     output_token_weight_versions: list[int] | None = None
     """omniloop's engine, with `return_logprob`: the weight version that sampled each output
     token (an update applied in place changes it mid-response). SGLang has no such key."""

@@ -94,9 +94,11 @@ class EngineRouter:
         input_ids: list[int],
         sampling: SamplingParams,
         media: Sequence[MediaData] = (),
+        *,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
         """A request of no session: to the least loaded engine."""
-        return await self.generate_for(None, input_ids, sampling, media)
+        return await self.generate_for(None, input_ids, sampling, media, top_logprobs=top_logprobs)
 
     def engine_of(self, key: str) -> str | None:
         """The URL of the engine session `key` is on, if any."""
@@ -108,8 +110,11 @@ class EngineRouter:
         input_ids: list[int],
         sampling: SamplingParams,
         media: Sequence[MediaData] = (),
+        *,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
-        """Sample on session `key`'s engine (or the least loaded one); module docstring."""
+        """Sample on session `key`'s engine (or the least loaded one); module docstring.
+        `top_logprobs`: as `base.Engine.generate`."""
         deadline = time.monotonic() + self._wait_s
         last: EngineError | None = None
         while True:
@@ -117,7 +122,9 @@ class EngineRouter:
             if url is not None:
                 self._in_flight[url] = self._in_flight.get(url, 0) + 1
                 try:
-                    return await self._client(url).generate(input_ids, sampling, media)
+                    return await self._client(url).generate(
+                        input_ids, sampling, media, top_logprobs=top_logprobs
+                    )
                 except EngineError as err:
                     if not unreachable(err):
                         raise
@@ -210,8 +217,12 @@ class _Session:
         input_ids: list[int],
         sampling: SamplingParams,
         media: Sequence[MediaData] = (),
+        *,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
-        return await self._router.generate_for(self._key, input_ids, sampling, media)
+        return await self._router.generate_for(
+            self._key, input_ids, sampling, media, top_logprobs=top_logprobs
+        )
 
 
 @runtime_checkable

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -22,16 +23,32 @@ class SamplingRow(Protocol):
     def top_p(self) -> float: ...
 
 
+@dataclass(frozen=True)
+class SampledTokens:
+    """One token per row, with what was asked about the distribution it came from."""
+
+    ids: list[int]
+    logprobs: list[float]
+    """Raw logprob (`log_softmax(logits)`) of each sampled id."""
+    top_logprobs: list[list[tuple[float, int]] | None]
+    """Per row: its `top_logprobs_num` most likely tokens of that same raw distribution,
+    highest first, as (logprob, token id); None for a row that asks for none."""
+
+
 def sample(
     logits: torch.Tensor,
     reqs: Sequence[SamplingRow],
     generators: Sequence[torch.Generator | None],
-) -> tuple[list[int], list[float]]:
-    """Pick one token per row of `logits` [B, vocab]; return the ids and raw logprobs.
+    top_logprobs_nums: Sequence[int] | None = None,
+) -> SampledTokens:
+    """Pick one token per row of `logits` [B, vocab]: the ids, their raw logprobs and, for
+    rows whose `top_logprobs_nums` entry is above 0 (None: no row), the most likely tokens.
 
     Greedy rows take the argmax (the first one on ties). Sampled rows divide by temperature,
     keep the top-k, then the smallest set whose probability reaches top-p, and draw with the
-    row's generator.
+    row's generator. Logprobs, sampled and top alike, are of the raw distribution (temperature
+    1, no truncation), so a sampled token in its row's top list has the same logprob there.
+    Among tied logprobs the order of the top list is unspecified.
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -55,4 +72,29 @@ def sample(
         probs = torch.softmax(row, dim=-1)
         tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens.tolist(), chosen.tolist()
+    return SampledTokens(
+        ids=tokens.tolist(),
+        logprobs=chosen.tolist(),
+        top_logprobs=_top_logprobs(logprobs, top_logprobs_nums, len(reqs)),
+    )
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor, nums: Sequence[int] | None, rows: int
+) -> list[list[tuple[float, int]] | None]:
+    """Each asking row's `nums[i]` highest logprobs, highest first; None for the others."""
+    out: list[list[tuple[float, int]] | None] = [None] * rows
+    if nums is None:
+        return out
+    if len(nums) != rows:
+        raise ValueError(f"{len(nums)} top_logprobs_nums for {rows} rows")
+    asking = [i for i, k in enumerate(nums) if k > 0]
+    if not asking:
+        return out  # the common case costs nothing
+    # One topk over the asking rows at the largest k; each row keeps its own prefix.
+    k = min(max(nums[i] for i in asking), logprobs.shape[-1])
+    values, ids = torch.topk(logprobs[asking], k, dim=-1, sorted=True)
+    for row, i in enumerate(asking):
+        n = nums[i]
+        out[i] = list(zip(values[row, :n].tolist(), ids[row, :n].tolist(), strict=True))
+    return out

@@ -120,7 +120,24 @@ def _to_request(
         skip_special_tokens=sp.skip_special_tokens,
         no_stop_trim=sp.no_stop_trim,
         token_texts=body.return_text_in_logprobs and body.item_return_logprob(i),
+        top_logprobs_num=body.item_top_logprobs_num(i),
     )
+
+
+def _top_triples(
+    result: GenerationResult,
+) -> list[list[tuple[float | None, int, str | None]] | None] | None:
+    """SGLang's `output_top_logprobs`: per output token, `[logprob, token_id, text|None]`
+    triples, highest first; None when the request asked for none."""
+    if result.output_top_logprobs is None:
+        return None
+    out: list[list[tuple[float | None, int, str | None]] | None] = []
+    for k, step in enumerate(result.output_top_logprobs):
+        texts: list[str | None] = (
+            list(result.top_token_texts[k]) if result.top_token_texts else [None] * len(step)
+        )
+        out.append([(lp, t, text) for (lp, t), text in zip(step, texts, strict=True)])
+    return out
 
 
 def _to_response(result: GenerationResult, return_logprob: bool) -> dict[str, Any]:
@@ -131,11 +148,13 @@ def _to_response(result: GenerationResult, return_logprob: bool) -> dict[str, An
     else:
         finish = FinishReason(type="abort", message=result.finish_message)
     logprobs = None
+    top = None
     if return_logprob:
         texts: list[str | None] = (
             list(result.token_texts) if result.token_texts else [None] * len(result.output_ids)
         )
         logprobs = list(zip(result.output_logprobs, result.output_ids, texts, strict=True))
+        top = _top_triples(result)
     response = GenerateResponse(
         text=result.text,
         output_ids=result.output_ids,
@@ -149,6 +168,7 @@ def _to_response(result: GenerationResult, return_logprob: bool) -> dict[str, An
             output_token_weight_versions=result.output_versions if return_logprob else None,
             e2e_latency=result.e2e_latency,
             output_token_logprobs=logprobs,
+            output_top_logprobs=top,
         ),
     )
     return response.model_dump(exclude_none=True)

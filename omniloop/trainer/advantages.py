@@ -166,3 +166,34 @@ def distillation_advantages(
     mask is 0.
     """
     return torch.where(loss_mask != 0, teacher_logprobs.float() - student_logprobs.float(), 0.0)
+
+
+def with_teacher(
+    advantages: Tensor,
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    loss_mask: Tensor,
+    *,
+    coef: float,
+    reward_weight: float,
+) -> Tensor:
+    """`reward_weight * advantages + coef * distillation_advantages(...)`: the reward's
+    advantages (per token, any shape the logprobs have) with the teacher's per-token signal
+    added. 0 where the mask is 0."""
+    signal = distillation_advantages(student_logprobs, teacher_logprobs, loss_mask)
+    return torch.where(loss_mask != 0, reward_weight * advantages.float() + coef * signal, 0.0)
+
+
+def row_gae(
+    values: Tensor, reward: float, loss_mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """`gae` of one row `(T,)` whose reward comes at its end (on its last sampled token);
+    returns (advantages, returns), both 0 where the mask is 0 (all 0 for a row with no sampled
+    token)."""
+    mask = loss_mask.float()
+    if not mask.any():
+        return torch.zeros_like(mask), torch.zeros_like(mask)
+    rewards = torch.zeros_like(mask)
+    rewards[int(mask.nonzero().max())] = reward
+    advantages, returns = gae(values[None], rewards[None], mask[None], gamma=gamma, lam=lam)
+    return advantages[0], returns[0]

@@ -405,7 +405,12 @@ def estimate(rewards: Tensor, groups: Tensor, valid: Tensor, config: AdvantageCo
         return group_advantages(
             rewards, groups, valid, normalize_std=config.normalize_std, eps=config.eps
         )
-    return rloo_advantages(rewards, groups, valid)
+    if config.estimator == "rloo":
+        return rloo_advantages(rewards, groups, valid)
+    raise ValueError(
+        f"advantage estimator {config.estimator!r} is per token, from a critic's values "
+        "(the critic role): it has no per-sample form"
+    )
 
 
 def batch_from_trajectories(

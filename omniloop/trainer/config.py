@@ -67,14 +67,49 @@ class LossConfig(StrictModel):
 
 
 class AdvantageConfig(StrictModel):
-    """How per-trajectory rewards become advantages (group baselines; no critic)."""
+    """How rewards become advantages: group baselines, or the critic's values (GAE)."""
 
-    estimator: Literal["grpo", "rloo"] = "grpo"
-    """`grpo`: (r - group mean) / (group std + eps); `rloo`: r - mean of the other samples."""
+    estimator: Literal["grpo", "rloo", "gae"] = "grpo"
+    """`grpo`: (r - group mean) / (group std + eps); `rloo`: r - mean of the other samples;
+    `gae`: PPO's generalized advantage estimation over the sampled tokens from the critic's
+    values (needs `trainer.critic`), the reward on the last sampled token."""
     normalize_std: bool = True
     """`grpo` only: divide by the group's standard deviation. False is Dr. GRPO."""
     eps: float = Field(default=1e-6, gt=0)
     """Added to the group std before dividing."""
+
+
+class CriticConfig(StrictModel):
+    """PPO's critic (the `critic` role): a value model trained on the returns of GAE."""
+
+    model: str | None = None
+    """The value model's base: a model alias or Hugging Face folder; None: the policy's."""
+    lr: float = Field(default=1e-5, gt=0)
+    """AdamW learning rate of the value model."""
+    value_clip: float | None = Field(default=0.2, gt=0)
+    """PPO's value clipping around the values the step was scored with; None disables it."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """The value model's global gradient-norm clip."""
+    gamma: float = Field(default=1.0, ge=0, le=1)
+    """GAE's discount per sampled token."""
+    lam: float = Field(default=1.0, ge=0, le=1)
+    """GAE's lambda."""
+
+
+class TeacherConfig(StrictModel):
+    """On-policy distillation: a frozen teacher scores every token the policy sampled, and the
+    policy is trained toward it (each loss-masked token's advantage gains
+    `coef * (teacher logprob - sampling logprob)`, the negative of the per-token reverse KL).
+    In a run the `teacher` role does the scoring (a process of its own in services mode)."""
+
+    model: str
+    """The teacher: a model alias or a Hugging Face folder. It scores the policy's token ids as
+    they are (never re-tokenized), so its tokenizer must be the policy's."""
+    coef: float = Field(default=1.0, gt=0)
+    """Weight of the teacher's per-token signal in the advantages."""
+    reward_weight: float = Field(default=1.0, ge=0)
+    """Weight of the reward advantages beside it; 0 trains on the teacher's signal alone (pure
+    on-policy distillation: the rewards are still computed and reported)."""
 
 
 class MegatronConfig(StrictModel):
@@ -123,6 +158,10 @@ class TrainerConfig(StrictModel):
     """Where KL reference logprobs come from when `loss.kl_coef > 0`: `copy` keeps a frozen copy of
     the initial policy beside the trainer's; `external` requires `ref_logprobs` on every batch,
     which in a run the `reference` role computes (a process of its own in services mode)."""
+    teacher: TeacherConfig | None = None
+    """On-policy distillation from a teacher model; None: no teacher."""
+    critic: CriticConfig | None = None
+    """PPO's critic, whose values make the advantages (`advantage.estimator: gae`); None: none."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     """Settings of `backend=megatron` (ignored by `torch`)."""
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -136,6 +175,21 @@ class TrainerConfig(StrictModel):
             raise ValueError(
                 f"trainer.backend=megatron trains in fp32 (dtype {self.dtype!r}: autocast does "
                 "not reach megatron's linear layers); set trainer.dtype=fp32"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_critic(self) -> TrainerConfig:
+        gae = self.advantage.estimator == "gae"
+        if gae and self.critic is None:
+            raise ValueError(
+                "trainer.advantage.estimator=gae needs a critic: set trainer.critic (e.g. "
+                "trainer.critic={}) or choose grpo or rloo"
+            )
+        if self.critic is not None and not gae:
+            raise ValueError(
+                f"trainer.critic is set but trainer.advantage.estimator={self.advantage.estimator}"
+                " ignores it: set the estimator to gae, or remove the critic"
             )
         return self
 

@@ -221,7 +221,8 @@ def test_sampling_rules() -> None:
     tiny_p = GenerationRequest(input_ids=[1], temperature=1.0, top_p=1e-6)
     free = GenerationRequest(input_ids=[1], temperature=1.0)
     gens = [None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
-    tokens, logprobs = sample(logits, [greedy, top1, tiny_p, free], [*gens, gen])
+    sampled = sample(logits, [greedy, top1, tiny_p, free], [*gens, gen])
+    tokens, logprobs = sampled.ids, sampled.logprobs
     argmax = logits.argmax(dim=-1).tolist()
     # top_k=1 and a vanishing top_p both leave only the most likely token.
     assert tokens[:3] == argmax[:3]
@@ -234,11 +235,54 @@ def test_top_k_and_top_p_never_pick_outside_their_set() -> None:
     top_k = GenerationRequest(input_ids=[1], temperature=5.0, top_k=2)
     top_p = GenerationRequest(input_ids=[1], temperature=1.0, top_p=0.8)
     gen = torch.Generator().manual_seed(0)
-    k_tokens, _ = sample(logits, [top_k] * 200, [gen] * 200)
-    p_tokens, _ = sample(logits, [top_p] * 200, [gen] * 200)
+    k_tokens = sample(logits, [top_k] * 200, [gen] * 200).ids
+    p_tokens = sample(logits, [top_p] * 200, [gen] * 200).ids
     assert set(k_tokens) == {0, 1}
     # softmax: 0.64, 0.24, 0.09, ...: the smallest set reaching 0.8 is {0, 1}.
     assert set(p_tokens) == {0, 1}
+
+
+def check_top_lists(
+    top: list[list[tuple[float, int]]], ids: list[int], logprobs: list[float], n: int
+) -> None:
+    """Each step's list has `n` entries sorted by logprob, highest first, and a sampled token in
+    it carries exactly its sampled logprob (the same raw distribution)."""
+    assert len(top) == len(ids) == len(logprobs)
+    for step, token, logprob in zip(top, ids, logprobs, strict=True):
+        values = [lp for lp, _ in step]
+        assert len(step) == n
+        assert values == sorted(values, reverse=True)
+        assert len({t for _, t in step}) == n
+        assert logprob <= values[0]
+        if token in {t for _, t in step}:
+            assert dict((t, lp) for lp, t in step)[token] == logprob
+
+
+def test_top_logprobs_come_from_the_raw_distribution_only_for_rows_that_ask() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=gen) * 3
+    greedy = GenerationRequest(input_ids=[1], temperature=0.0)
+    hot = GenerationRequest(input_ids=[1], temperature=2.0, top_p=0.9)
+    gens = [None, torch.Generator().manual_seed(1), None]
+    sampled = sample(logits, [greedy, hot, greedy], gens, [4, 50, 0])
+    raw = torch.log_softmax(logits, dim=-1)
+    expected = torch.topk(raw, 50, dim=-1)
+    assert sampled.top_logprobs[2] is None
+    for row, n in ((0, 4), (1, 50)):
+        top = sampled.top_logprobs[row]
+        assert top is not None
+        assert [t for _, t in top] == expected.indices[row, :n].tolist()
+        assert [lp for lp, _ in top] == pytest.approx(expected.values[row, :n].tolist())
+        check_top_lists([top], sampled.ids[row : row + 1], sampled.logprobs[row : row + 1], n)
+    # Greedy: the sampled token heads the list; a whole-vocabulary list holds any token.
+    greedy_top, hot_top = sampled.top_logprobs[0] or [], sampled.top_logprobs[1] or []
+    assert greedy_top[0] == (sampled.logprobs[0], sampled.ids[0])
+    assert (sampled.logprobs[1], sampled.ids[1]) in hot_top
+    # Without asking: the same tokens and logprobs, and no lists.
+    again = [None, torch.Generator().manual_seed(1), None]
+    plain = sample(logits, [greedy, hot, greedy], again)
+    assert (plain.ids, plain.logprobs) == (sampled.ids, sampled.logprobs)
+    assert plain.top_logprobs == [None] * 3
 
 
 # -- the scheduler, in process ---------------------------------------------------------------
@@ -309,3 +353,28 @@ def test_cancelled_request_leaves_the_batch(core_with_eos: EngineCore) -> None:
     core_with_eos.resume().result(timeout=10)
     after = run(core_with_eos, input_ids=[1, 5], temperature=0.0, max_new_tokens=3)
     assert after.output_ids == [5, 5, 5]
+
+
+def test_core_returns_top_logprobs_per_output_token(core_with_eos: EngineCore) -> None:
+    prompt = [1, 8, 9, 10]
+    greedy = run(core_with_eos, input_ids=prompt, temperature=0.0, max_new_tokens=4,
+                 top_logprobs_num=3, ignore_eos=True)  # fmt: skip
+    check_top_lists(greedy.output_top_logprobs, greedy.output_ids, greedy.output_logprobs, 3)
+    assert [step[0] for step in greedy.output_top_logprobs] == list(
+        zip(greedy.output_logprobs, greedy.output_ids, strict=True)
+    )
+    seeded = dict(input_ids=prompt, temperature=1.0, seed=4, max_new_tokens=4, ignore_eos=True)
+    sampled = run(core_with_eos, **seeded, top_logprobs_num=5, token_texts=True)
+    check_top_lists(sampled.output_top_logprobs, sampled.output_ids, sampled.output_logprobs, 5)
+    assert sampled.top_token_texts == [
+        [core_with_eos.decode_text([t], False) for _, t in step]
+        for step in sampled.output_top_logprobs
+    ]
+    # Asking changes nothing else: same tokens and logprobs as without, which gets None.
+    plain = run(core_with_eos, **seeded)
+    assert plain.output_top_logprobs is None
+    assert plain.top_token_texts is None
+    assert plain.output_ids == sampled.output_ids
+    assert plain.output_logprobs == sampled.output_logprobs
+    with pytest.raises(ValueError, match="top_logprobs_num"):
+        core_with_eos.submit(GenerationRequest(input_ids=prompt, top_logprobs_num=-1))

@@ -32,9 +32,11 @@ from pydantic.json_schema import models_json_schema
 from starlette.routing import BaseRoute
 
 import omniloop
+from omniloop.gateway.app import Routes, gateway_router
 from omniloop.platform.api.auth import AccessPolicy, TokenGuardMiddleware
 from omniloop.platform.api.batching import EpisodeCreator
 from omniloop.platform.api.events import EpisodeSignals
+from omniloop.platform.api.gateway import WorkerGateway
 from omniloop.platform.api.limits import BodyLimitMiddleware
 from omniloop.platform.api.metrics import ApiMetrics, RequestMetricsMiddleware, ScrapedCollector
 from omniloop.platform.api.problems import Problem, install_problem_handlers, problem_responses
@@ -63,12 +65,15 @@ def create_app(
     store: Store | None = None,
     extra_routes: Sequence[APIRouter | BaseRoute] = (),
     scraped: Sequence[ScrapedCollector] = (),
+    gateway: Routes | None = None,
 ) -> FastAPI:
     """The API server for `settings`.
 
     `store`: use this store (the caller closes it) instead of opening `settings.db_url`.
     `extra_routes`: routers and mounts served beside the API (see the module docstring).
     `scraped`: more series for `/metrics`, each refreshed before a scrape (`metrics.py`).
+    `gateway`: where OpenAI-compatible completions go (`omniloop.gateway.app.Routes`); None:
+    to the episode worker's engine (`gateway.py`), when `settings.gateway` is on.
     Agents are imported here, so a bad agent or reward path raises `ConfigError` before the
     server starts.
     """
@@ -117,6 +122,11 @@ def create_app(
     app.state.omniloop = state
     app.include_router(v1_router())
     app.include_router(ops_router())
+    if gateway is None and settings.gateway:
+        gateway = WorkerGateway(lambda: state.worker)
+    if gateway is not None:
+        # OpenAI's API, documented by OpenAI: not in this server's OpenAPI document.
+        app.include_router(gateway_router(gateway, include_in_schema=False))
     for route in extra_routes:
         if isinstance(route, APIRouter):
             app.include_router(route)

@@ -143,7 +143,13 @@ class ApiSettings(StrictModel):
     `Retry-After` and creates nothing. None (`max_queued_episodes=null`) leaves the queue
     unbounded. Counting reads at most this many index entries per batch of submissions."""
     max_context: int = Field(default=2048, ge=16)
-    """Most tokens in one episode (prompt + all turns)."""
+    """Most tokens in one episode (prompt + all turns), and in one gateway session's
+    conversation."""
+    gateway: bool = True
+    """Serve OpenAI-compatible chat completions (`/v1/chat/completions`, `/v1/models`,
+    `/v1/sessions/{id}`) over the engine that runs the episodes, recorded token-exactly per
+    session (docs/gateway.md). Only while that engine runs: not with `concurrency: 0` or
+    without agents."""
     media: MediaConfig = Field(default_factory=MediaConfig)
     """Bounds and sampling rules of images, audio and video in prompts and tool results. A
     submitted prompt carries media inline only (`data:` URIs), never as a server path."""

@@ -43,6 +43,7 @@ from omniloop.agents.base import Agent, Task
 from omniloop.agents.chat import ChatFormat
 from omniloop.agents.media import MediaResolver
 from omniloop.errors import ConfigError
+from omniloop.gateway.completions import Gateway
 from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
 from omniloop.modalities.media import MediaData
 from omniloop.platform.api.events import EpisodeSignals
@@ -72,6 +73,8 @@ MAX_TURN_TEXT = 8000
 CANCEL_MEMORY = 60.0
 """Seconds a cancel for an episode not (yet) running here is remembered (see `cancel`)."""
 
+GATEWAY_MAX_NEW_TOKENS = 1024
+"""A gateway reply's limit when the request sets none (and `limits.max_new_tokens` is more)."""
 RECENT_EPISODES = 32
 """How many of the latest episodes' wall times `retry_after` estimates from."""
 RETRY_AFTER_UNKNOWN = 5
@@ -170,8 +173,13 @@ class _TurnReporter:
         input_ids: list[int],
         sampling: SamplingParams,
         media: Sequence[MediaData] = (),
+        *,
+        top_logprobs: int = 0,
     ) -> GenerateOutput:
-        out = await self._engine.generate(input_ids, sampling, media)
+        if top_logprobs:
+            out = await self._engine.generate(input_ids, sampling, media, top_logprobs=top_logprobs)
+        else:
+            out = await self._engine.generate(input_ids, sampling, media)
         data = {
             "turn": self._turn,
             "prompt_tokens": len(input_ids),
@@ -243,6 +251,9 @@ class EpisodeWorker:
         self._stopping = False
         self._durations: deque[float] = deque(maxlen=RECENT_EPISODES)
         """Wall seconds, claim to end, of the latest episodes that ended here."""
+        self.gateway: Gateway | None = None
+        """OpenAI-compatible completions over the worker's engine, while it runs (with
+        `settings.gateway`)."""
 
     @property
     def alive(self) -> bool:
@@ -347,9 +358,16 @@ class EpisodeWorker:
             EngineClient(url, media_encoder=encoder) as engine,
             sandbox_pool(self.settings.sandbox) as pool,
         ):
+            if self.settings.gateway:
+                self.gateway = Gateway(
+                    engine, tokenizer, model=self.settings.engine.model,
+                    max_context=self.settings.max_context,
+                    max_new_tokens=min(GATEWAY_MAX_NEW_TOKENS, self.settings.limits.max_new_tokens),
+                )  # fmt: skip
             try:
                 yield _Runtime(engine=engine, chats=chats, sandboxes=pool, media=media)
             finally:
+                self.gateway = None
                 await self._requeue_running()
 
     async def _claim_loop(self, runtime: _Runtime) -> None:

@@ -2,18 +2,22 @@
 
 Each `ApiServer` replica is the app `omniloop serve` builds (`/v1`, `/metrics`, the dashboard)
 over the run's store, with the run's engines at `/v1/rollout/engines` and in `/metrics`
-(`engine_routes`),
-behind Ray Serve's HTTP proxy on `services.api_host:services.api_port`. It runs no episodes of
-its own (`concurrency: 0`; submitted episodes stay queued for an `omniloop serve` that shares
-the store) and leaves the store's queue alone at start-up. Apart from adding, launching and
-removing engines it only reads: a replica that dies costs nothing but the requests it was answering,
-which the proxy answers 503 until Serve has replaced it.
+(`engine_routes`), and OpenAI-compatible chat completions (`/v1/chat/completions`,
+`omniloop.gateway`) sampled by the engines in the run's rotation (the current policy; sessions
+live in the replica's memory), behind Ray Serve's HTTP proxy on
+`services.api_host:services.api_port`. It runs no episodes of its own (`concurrency: 0`;
+submitted episodes stay queued for an `omniloop serve` that shares the store) and leaves the
+store's queue alone at start-up. Apart from adding, launching and removing engines it only
+reads: a replica that dies costs nothing but the requests it was answering (and its gateway
+sessions), which the proxy answers 503 until Serve has replaced it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from omniloop.gateway.app import OneGateway
+from omniloop.gateway.completions import Gateway
 from omniloop.platform.control.run_config import RunConfig
 
 
@@ -24,6 +28,10 @@ class ApiServer:
         from sqlalchemy import create_engine
 
         from omniloop.platform.api.settings import ApiSettings
+        from omniloop.platform.control.services import enter_run_folder
+
+        # The run's model may be a path relative to the controller's folder.
+        enter_run_folder(cwd, paths)
 
         self._settings = ApiSettings.model_validate(
             {
@@ -50,7 +58,17 @@ class ApiServer:
             self._settings,
             extra_routes=[engine_router(launcher), *web_routes()],
             scraped=[RunEnginesCollector()],
+            gateway=OneGateway(self._run_gateway()),
         )
+
+    def _run_gateway(self) -> Gateway:
+        """Completions from the engines the actor's coordinator keeps at the current weights."""
+        from omniloop.inference.models import load_tokenizer
+        from omniloop.platform.control.engine_routes import run_engines
+
+        model, max_context = self._config.model, self._config.rollout.max_context
+        tokenizer = load_tokenizer(model)
+        return Gateway(run_engines(self._config), tokenizer, model=model, max_context=max_context)
 
     async def check_health(self) -> None:
         # What the replica needs beyond its process: the store answers.

@@ -67,12 +67,14 @@ def episode_seed(seed: int, episode_id: str) -> int:
 
 
 def episode_plan(
-    config: RolloutConfig, tasks: list[Task], prefix: str = ""
+    config: RolloutConfig, tasks: list[Task], prefix: str = "", group_prefix: str = ""
 ) -> Iterator[tuple[Task, EpisodeSettings]]:
     """Every (task, settings) pair of the run, in a stable order.
 
     `prefix` starts every episode id (and so changes trajectory ids and sampling seeds): a
     training run that meets the same task in several steps gives each step its own, `step3/`.
+    `group_prefix` starts every group id (the task's id), for groups of one task that share a
+    step (dynamic sampling's extra groups).
     """
     for task in tasks:
         for sample in range(config.samples_per_task):
@@ -85,7 +87,7 @@ def episode_plan(
                 EpisodeSettings(
                     run_id=config.run_id,
                     episode_id=episode_id,
-                    group_id=task.id,
+                    group_id=f"{group_prefix}{task.id}",
                     sampling=sampling,
                     max_turns=config.max_turns,
                     max_context=config.max_context,

@@ -5,7 +5,7 @@ do and in which order, and records what they report:
 
     for each step k:
         rollout(k) and advantages(k)   started as soon as the staleness gate allows k,
-        (and reference(k))             i.e. k - steps_trained <= max_staleness
+        (reference, teacher, critic)   i.e. k - steps_trained <= max_staleness
         train(k)                       streams step k's micro-batches from the data plane
         sync(version)                  every engine serves the new weights...
         gate.advance(k + 1)            ...before any rollout that the advance releases starts
@@ -99,6 +99,10 @@ class RolloutReport:
     """From the step's first episode starting to its partition being closed."""
     retried: int = 0
     """Episodes re-run because the replica running them failed."""
+    extra_groups: int = 0
+    """Groups run by dynamic sampling beyond the step's own."""
+    dropped_groups: int = 0
+    """Groups whose rewards were all equal, which dynamic sampling leaves out of training."""
 
     @property
     def infra_error_share(self) -> float:
@@ -111,6 +115,8 @@ class RolloutReport:
             **step_metrics(self.episodes),
             "perf/rollout_seconds": self.seconds,
             "episodes/retried": float(self.retried),
+            "rollout/extra_groups": float(self.extra_groups),
+            "rollout/dropped_groups": float(self.dropped_groups),
         }
 
 
@@ -155,11 +161,29 @@ class Advantage(Protocol):
         ...
 
 
-class Reference(Protocol):
-    """Scores a step's rows under the frozen reference policy (for the KL penalty)."""
+class Scorer(Protocol):
+    """Scores a step's rows under a frozen model: the reference policy (for the KL penalty),
+    or the teacher (for on-policy distillation)."""
 
     async def compute(self, step: int) -> dict[str, float]:
-        """Write `ref_logprobs` for every row of `step` as it arrives; return metrics."""
+        """Write the role's logprobs field for every row of `step` as it arrives (`ref_logprobs`,
+        `teacher_logprobs`); return metrics."""
+        ...
+
+
+class Critic(Protocol):
+    """PPO's critic: values for a step's rows, then a step of its own on their returns."""
+
+    async def compute(self, step: int) -> dict[str, float]:
+        """Write `values` for every row of `step`, train on its `returns`; return metrics."""
+        ...
+
+    async def save(self, checkpoint: Path) -> None:
+        """Save the critic into run checkpoint `checkpoint` (after the actor's part)."""
+        ...
+
+    async def load(self, checkpoint: Path) -> None:
+        """Restore the critic of run checkpoint `checkpoint`."""
         ...
 
 
@@ -208,8 +232,12 @@ class Roles:
     sync: Weights
     monitor: HealthMonitor | None = None
     """Watches the roles' services while the loop runs (None for roles in this process)."""
-    reference: Reference | None = None
+    reference: Scorer | None = None
     """Scores the KL reference when a role does (`trainer.reference=external`)."""
+    teacher: Scorer | None = None
+    """Scores the distillation teacher (`trainer.teacher`)."""
+    critic: Critic | None = None
+    """PPO's critic (`trainer.critic`)."""
 
 
 # -- the loop ---------------------------------------------------------------------------------
@@ -222,8 +250,9 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
     async def produce(step: int) -> tuple[RolloutReport, dict[str, float]]:
         await gate.wait(step)  # until step - steps_trained <= max_staleness
         stages = [roles.advantage.compute(step)]
-        if roles.reference is not None:
-            stages.append(roles.reference.compute(step))
+        stages += [
+            s.compute(step) for s in (roles.reference, roles.teacher, roles.critic) if s is not None
+        ]
         rollout, *stage_metrics = await _together(roles.rollout.generate(step), *stages)
         return rollout, {key: v for metrics in stage_metrics for key, v in metrics.items()}
 
@@ -250,7 +279,7 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
         await record.step(rollout, advantages, trained, synced, seconds=now - last)
         last = now
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            await record.checkpoint(roles.actor, step + 1)
+            await record.checkpoint(roles.actor, step + 1, critic=roles.critic)
 
     step = start
     try:

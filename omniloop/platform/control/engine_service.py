@@ -41,6 +41,7 @@ class EngineServer:
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self, config: RunConfig, log_dir: str, cwd: str, paths: list[str]
     ) -> None:
+        import ray
         from ray import serve
 
         from omniloop.platform.control.engines import spawn_engine, wait_healthy
@@ -55,12 +56,14 @@ class EngineServer:
             self._url = settings.url.rstrip("/")
         else:
             # Spawned from this (the replica's event-loop) thread: the engine dies with it.
+            # On the node's address: the rollouts may run on other nodes of the cluster.
             self._proc, self._url = spawn_engine(
                 config.model,
                 threads=settings.threads,
                 log_path=Path(log_dir) / "engine.log",
                 die_with_parent=True,
                 media=config.rollout.media,
+                host=ray.util.get_node_ip_address(),
             )
             await asyncio.to_thread(wait_healthy, self._url, self._proc, settings.startup_timeout)
         async with EngineClient(self._url) as engine:

@@ -20,12 +20,16 @@ from omniloop.processes import free_port, stop_process
 
 
 def engine_command(
-    model: str, port: int, threads: int | None = None, media: MediaConfig | None = None
+    model: str,
+    port: int,
+    threads: int | None = None,
+    media: MediaConfig | None = None,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """The argv that serves `model` on loopback `port` with this interpreter (with `media`, the
+    """The argv that serves `model` on `host:port` with this interpreter (with `media`, the
     media settings the prompts' placeholder blocks are counted with, inline as JSON)."""
     argv = [sys.executable, "-m", "omniloop", "engine", "serve", "--model", model]
-    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--host", host, "--port", str(port)]
     if threads:
         argv += ["--threads", str(threads)]
     if media is not None and media != MediaConfig():
@@ -53,20 +57,22 @@ def spawn_engine(
     log_path: Path | None = None,
     die_with_parent: bool = False,
     media: MediaConfig | None = None,
+    host: str = "127.0.0.1",
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start serving `model` in a child process (not yet healthy: see `wait_healthy`).
 
     `die_with_parent`: the child is killed when the thread that spawns it ends, so an engine
     started by a role's replica goes down with it even when the replica is SIGKILLed; spawn
     from a thread that lives as long as the engine should (an event loop's).
+    `host`: the interface it listens on, and the address in its URL.
     """
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     preexec = _die_with_parent if die_with_parent else None
     if log_path is None:
         proc = subprocess.Popen(
-            engine_command(model, port, threads, media),
+            engine_command(model, port, threads, media, host),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
@@ -75,7 +81,7 @@ def spawn_engine(
     else:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(
-                engine_command(model, port, threads, media),
+                engine_command(model, port, threads, media, host),
                 stdout=log,
                 stderr=log,
                 env=env,

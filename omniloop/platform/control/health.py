@@ -12,6 +12,11 @@ Two layers, each with its own period (typed config, `services.*`):
   (`role_up`, which closes the fault with its recovery time). A poll that fails (the Serve
   controller itself not answering) counts against `max_failed_polls`; past it the run fails,
   since no role can be recovered without the controller.
+
+Applications that come and go while the run lasts (the engines the api role launches on
+request, `engine+N`) are followed by name prefix (`follow`) from their first healthy poll until
+they are undeployed: each is a role of its own on the timeline. One undeployed while down
+leaves nothing to recover: its fault ends at that poll.
 """
 
 from __future__ import annotations
@@ -39,9 +44,15 @@ class HealthMonitor:
         *,
         period_s: float,
         max_failed_polls: int,
+        follow: Mapping[str, int] | None = None,
     ) -> None:
         self._replicas = dict(replicas)
         """Role (Serve application and deployment name) -> replicas it should run."""
+        self._follow = dict(follow or {})
+        """Name prefix of applications deployed and removed during the run -> replicas each
+        should run (module docstring)."""
+        self._followed: set[str] = set()
+        """Followed applications that have been healthy, while they are deployed."""
         self._timeline = timeline
         self._period_s = period_s
         self._max_failed_polls = max_failed_polls
@@ -67,7 +78,21 @@ class HealthMonitor:
 
     def observe(self, status: Mapping[str, tuple[str, int, str]], polled_at: float) -> None:
         """Report each role's `(status, running replicas, message)` as seen at `polled_at`."""
-        for role, wanted in self._replicas.items():
+        roles = dict(self._replicas)
+        deployed = set()
+        for name, (state, running, _) in status.items():
+            for prefix, wanted in self._follow.items():
+                if not name.startswith(prefix) or name in self._replicas:
+                    continue
+                deployed.add(name)
+                # Followed from its first healthy poll on: not while it is being deployed.
+                if name in self._followed or (state == "HEALTHY" and running >= wanted):
+                    self._followed.add(name)
+                    roles[name] = wanted
+        for gone in self._followed - deployed:
+            self._timeline.role_up(gone, polled_at)  # undeployed: nothing left to recover
+            self._followed.discard(gone)
+        for role, wanted in roles.items():
             state, running, message = status.get(role, ("MISSING", 0, "not deployed"))
             if state == "HEALTHY" and running >= wanted:
                 self._timeline.role_up(role, polled_at)

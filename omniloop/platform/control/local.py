@@ -10,10 +10,11 @@ service would have) and answers the controller's directives:
   the step's record, and every later stage recognises it by `meta.stop_reason`.
 - `LocalAdvantage.compute(k)`: reads rewards as they arrive and, for each complete GRPO group,
   writes the `advantages` field (group-normalised or leave-one-out, per token).
-- `LocalReference.compute(k)` (with `trainer.reference=external`): writes `ref_logprobs` for
-  every row under the frozen base model, micro-batch by micro-batch as rows arrive.
+- `LocalScorer.compute(k)`: a frozen model's logprobs for every row, micro-batch by
+  micro-batch as rows arrive: the reference's `ref_logprobs` (with
+  `trainer.reference=external`), the teacher's `teacher_logprobs` (with `trainer.teacher`).
 - `LocalActor.train(k)`: streams the step's micro-batches as they become ready (with their
-  `ref_logprobs` too when the reference role computes them), drops
+  `ref_logprobs` and `teacher_logprobs` too when those roles compute them), drops
   infrastructure failures and samples past the staleness bound (counted), and takes one
   optimizer step on the rest. Exactly-once: the data plane never hands an id to the actor twice,
   and the ids it handed out are part of the actor's checkpoint.
@@ -27,6 +28,7 @@ import asyncio
 import base64
 import dataclasses
 import logging
+import math
 import os
 import random
 import threading
@@ -36,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -55,9 +57,10 @@ from omniloop.platform.control.staleness import StalenessGate
 from omniloop.platform.control.writer import EpisodeWriter
 from omniloop.platform.data import MicroBatch
 from omniloop.rewards import RewardFn
+from omniloop.trainer.advantages import row_gae, with_teacher
 from omniloop.trainer.backend import TrainerBackend
 from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
-from omniloop.trainer.config import AdvantageConfig
+from omniloop.trainer.config import AdvantageConfig, CriticConfig, TeacherConfig
 from omniloop.trainer.reference import ReferencePolicy
 from omniloop.trajectory import INFRA_STOP_REASONS
 
@@ -81,9 +84,11 @@ TRAIN_FIELDS = (
     "meta",
 )
 """What the actor reads: a row is ready for training once its advantages are written (and its
-`ref_logprobs`, when the reference role writes them: `train_fields`)."""
-REFERENCE_FIELDS = ("input_ids", "multimodal", "meta")
-"""What the reference stage reads."""
+`ref_logprobs` and `teacher_logprobs`, when those roles write them: `train_fields`)."""
+ScoringRole = Literal["reference", "teacher"]
+"""A role that scores a step's rows under a frozen model (`LocalScorer`)."""
+SCORER_FIELDS = ("input_ids", "loss_mask", "rollout_logprobs", "multimodal", "meta")
+"""What a scoring stage (reference, teacher) reads."""
 
 
 def uses_reference_role(config: RunConfig) -> bool:
@@ -92,9 +97,33 @@ def uses_reference_role(config: RunConfig) -> bool:
     return config.trainer.loss.kl_coef > 0 and config.trainer.reference == "external"
 
 
+def scoring_roles(config: RunConfig) -> list[ScoringRole]:
+    """The scoring roles `config`'s run has (`LocalScorer`)."""
+    roles: list[ScoringRole] = []
+    if uses_reference_role(config):
+        roles.append("reference")
+    if config.trainer.teacher is not None:
+        roles.append("teacher")
+    return roles
+
+
+def scored_by(config: RunConfig, role: ScoringRole) -> str:
+    """The frozen model of a scoring role: the run's base model, or the teacher."""
+    if role == "teacher" and config.trainer.teacher is not None:
+        return config.trainer.teacher.model
+    return config.model
+
+
 def train_fields(config: RunConfig) -> tuple[str, ...]:
     """The fields the actor of `config`'s run waits for."""
-    return (*TRAIN_FIELDS, "ref_logprobs") if uses_reference_role(config) else TRAIN_FIELDS
+    fields: tuple[str, ...] = TRAIN_FIELDS
+    if uses_reference_role(config):
+        fields = (*fields, "ref_logprobs")
+    if config.trainer.teacher is not None:
+        fields = (*fields, "teacher_logprobs")
+    if config.dynamic_sampling:
+        fields = (*fields, "dropped")
+    return fields
 
 
 class TorchThread:
@@ -124,7 +153,9 @@ EpisodeCallback = Callable[[int, int], None]
 
 
 @asynccontextmanager
-async def _closing(stream: AsyncIterator[MicroBatch]) -> AsyncIterator[AsyncIterator[MicroBatch]]:
+async def closing_stream(
+    stream: AsyncIterator[MicroBatch],
+) -> AsyncIterator[AsyncIterator[MicroBatch]]:
     """Close a reader at the end of the block, so that rows it fetched but never handed out
     return to the data plane at once (for the next reader of the step) instead of at GC."""
     try:
@@ -135,8 +166,9 @@ async def _closing(stream: AsyncIterator[MicroBatch]) -> AsyncIterator[AsyncIter
             await close()
 
 
-def step_tasks(tasks: Sequence[Task], step: int, per_step: int) -> list[Task]:
-    """The tasks of rollout step `step`: the next `per_step` in file order, cycling.
+def step_tasks(tasks: Sequence[Task], step: int, per_step: int, extra: int = 0) -> list[Task]:
+    """The tasks of rollout step `step`: the next `per_step` in file order, cycling; then
+    `extra` more, those that follow (dynamic sampling's replacements, which may repeat tasks).
 
     The data position is the step: a resumed run meets exactly the tasks the interrupted one
     would have. Raises `ValueError` if a step would hold a task twice (duplicate episode ids).
@@ -144,7 +176,14 @@ def step_tasks(tasks: Sequence[Task], step: int, per_step: int) -> list[Task]:
     if per_step > len(tasks):
         raise ValueError(f"tasks_per_step={per_step} but the task set holds only {len(tasks)}")
     start = step * per_step
-    return [tasks[(start + i) % len(tasks)] for i in range(per_step)]
+    return [tasks[(start + i) % len(tasks)] for i in range(per_step + extra)]
+
+
+def uniform_rewards(rewards: Sequence[float | None], valid: Sequence[bool]) -> bool:
+    """Whether a group has nothing to learn from (dynamic sampling drops it): the rewards of its
+    valid members are all equal, or it has none."""
+    scored = [r for r, ok in zip(rewards, valid, strict=True) if ok and r is not None]
+    return all(r == scored[0] for r in scored)
 
 
 class EpisodeRunner:
@@ -192,9 +231,17 @@ class EpisodeRunner:
         )
 
     def plan(self, step: int) -> list[tuple[Task, EpisodeSettings]]:
-        """Step `step`'s episodes, in their stable order."""
-        tasks = step_tasks(self._tasks, step, self._config.tasks_per_step)
-        return list(episode_plan(self._config.rollout, tasks, prefix=f"step{step}/"))
+        """Step `step`'s episodes, in their stable order; after them, those of the extra groups
+        dynamic sampling may run (`extra{j}/` in their episode and group ids)."""
+        per_step, extra = self._config.tasks_per_step, self._config.dynamic_sampling
+        tasks = step_tasks(self._tasks, step, per_step, extra)
+        plan = list(episode_plan(self._config.rollout, tasks[:per_step], prefix=f"step{step}/"))
+        for j, task in enumerate(tasks[per_step:]):
+            group = f"extra{j}/"
+            plan += episode_plan(
+                self._config.rollout, [task], prefix=f"step{step}/{group}", group_prefix=group
+            )
+        return plan
 
     def open_step(self, step: int) -> None:
         """Start step `step`'s trajectory file afresh (a redone step replaces its file)."""
@@ -241,6 +288,11 @@ class StepRollout:
     `concurrency` episodes are asked for at once, across all steps in flight: the rest wait
     here, and start the moment one ends (on Ray Serve, a request sent to replicas that are all
     full waits in the router, which looks again after a backoff of up to half a second).
+
+    With `extra_groups` (dynamic sampling), each group of `group_size` consecutive episodes
+    whose rewards are all equal (`uniform_rewards`) is followed by the next extra group of the
+    plan (episodes `episodes_per_step + j * group_size ...`), while any of the step's
+    `extra_groups` are left; the advantage stage drops the uniform groups from training.
     """
 
     def __init__(
@@ -254,8 +306,12 @@ class StepRollout:
         retry: Retry,
         on_start: EpisodeCallback,
         on_episode: EpisodeCallback,
+        group_size: int = 1,
+        extra_groups: int = 0,
     ) -> None:
         self._count = episodes_per_step
+        self._group_size = group_size
+        self._extra_groups = extra_groups
         self._episode = episode
         self._running = asyncio.Semaphore(concurrency)
         self._begin = begin
@@ -269,12 +325,52 @@ class StepRollout:
         started = time.perf_counter()
         await self._retry.call("rollout", lambda _: self._begin(step), what=f"step {step} start")
         self._on_start(step, self._count)
-        async with asyncio.TaskGroup() as group:
-            runs = [group.create_task(self._one(step, i)) for i in range(self._count)]
+        if self._extra_groups:
+            episodes, extra, dropped = await self._dynamic(step)
+        else:
+            async with asyncio.TaskGroup() as group:
+                runs = [group.create_task(self._one(step, i)) for i in range(self._count)]
+            episodes, extra, dropped = [run.result() for run in runs], 0, 0
         await self._retry.call("rollout", lambda _: self._close(step), what=f"step {step} close")
-        episodes = [run.result() for run in runs]
         retried = sum(e.attempt > 0 for e in episodes)
-        return RolloutReport(step, episodes, time.perf_counter() - started, retried=retried)
+        return RolloutReport(
+            step,
+            episodes,
+            time.perf_counter() - started,
+            retried=retried,
+            extra_groups=extra,
+            dropped_groups=dropped,
+        )
+
+    async def _dynamic(self, step: int) -> tuple[list[EpisodeSummary], int, int]:
+        """The step's groups, each uniform one followed by an extra group while the budget
+        lasts; returns every episode, the extra groups run and the uniform groups."""
+        size = self._group_size
+        budget = self._extra_groups
+        dropped = 0
+
+        async def chain(first: int) -> list[EpisodeSummary]:
+            nonlocal budget, dropped
+            episodes: list[EpisodeSummary] = []
+            start = first
+            while True:
+                async with asyncio.TaskGroup() as group:
+                    runs = [group.create_task(self._one(step, start + i)) for i in range(size)]
+                members = [run.result() for run in runs]
+                episodes += members
+                rewards = [e.reward for e in members]
+                if not uniform_rewards(rewards, [not e.infra_failure for e in members]):
+                    return episodes
+                dropped += 1
+                if budget == 0:
+                    return episodes
+                start = self._count + (self._extra_groups - budget) * size
+                budget -= 1
+
+        async with asyncio.TaskGroup() as group:
+            chains = [group.create_task(chain(g)) for g in range(0, self._count, size)]
+        episodes = [e for c in chains for e in c.result()]
+        return episodes, self._extra_groups - budget, dropped
 
     async def _one(self, step: int, index: int) -> EpisodeSummary:
         async def run(attempt: int) -> EpisodeSummary:
@@ -292,27 +388,42 @@ class LocalAdvantage:
     A group is complete when `group_size` rows of it have arrived; the rows of a step's closed
     partition that are still grouped at the end (a group cut short) are scored as they are.
     Infrastructure failures get advantage 0 and are left out of their group's statistics.
+    With `drop_uniform` (dynamic sampling) it also writes `dropped`, 1 for the rows of a group
+    whose rewards are all equal (`uniform_rewards`), which the actor does not train. With a
+    `critic` (estimator `gae`) each row is scored on its own as it arrives with its `values`:
+    GAE over its sampled tokens, the reward on the last one; it writes `returns` too.
     """
 
     def __init__(
-        self, data: DataPlane, config: AdvantageConfig, group_size: int, read_timeout: float
+        self,
+        data: DataPlane,
+        config: AdvantageConfig,
+        group_size: int,
+        read_timeout: float,
+        *,
+        drop_uniform: bool = False,
+        critic: CriticConfig | None = None,
     ) -> None:
         self._data = data
         self._config = config
         self._group_size = group_size
         self._read_timeout = read_timeout
+        self._drop_uniform = drop_uniform
+        self._critic = critic
 
     async def compute(self, step: int) -> dict[str, float]:
         """Write `advantages` for every row of step `step`; return `advantage/*` metrics."""
         # Every row of the step, even if a step's advantages were (partly) computed before:
         # after a replica death or an actor restore the step is computed again, whole.
         await self._data.reread(step, "advantage")
+        if self._critic is not None:
+            return await self._gae(step, self._critic)
         groups: dict[str, list[GroupMember]] = {}
         scored: list[tuple[float, bool]] = []
         stream = self._data.iter_micro_batches(
             step, ADVANTAGE_FIELDS, self._group_size, "advantage", timeout_s=self._read_timeout
         )
-        async with _closing(stream) as batches:
+        async with closing_stream(stream) as batches:
             async for batch in batches:
                 for i, row_id in enumerate(batch.ids):
                     meta = batch["meta"][i]
@@ -335,6 +446,38 @@ class LocalAdvantage:
             "advantage/zero_frac": sum(a == 0.0 for a in valid_adv) / n,
         }
 
+    async def _gae(self, step: int, critic: CriticConfig) -> dict[str, float]:
+        """GAE advantages and returns of every row of `step`, from its values."""
+        token_sum, tokens = 0.0, 0
+        stream = self._data.iter_micro_batches(
+            step,
+            (*ADVANTAGE_FIELDS, "values"),
+            self._group_size,
+            "advantage",
+            timeout_s=self._read_timeout,
+        )
+        async with closing_stream(stream) as batches:
+            async for batch in batches:
+                advantages, returns = [], []
+                for i, meta in enumerate(batch["meta"]):
+                    mask = batch["loss_mask"][i]
+                    if meta["stop_reason"] in INFRA_STOP_REASONS:
+                        mask = torch.zeros_like(mask)
+                    adv, ret = row_gae(
+                        batch["values"][i],
+                        float(batch["reward"][i]) if mask.any() else 0.0,
+                        mask,
+                        gamma=critic.gamma,
+                        lam=critic.lam,
+                    )
+                    advantages.append(adv)
+                    returns.append(ret)
+                    token_sum += float(adv.abs().sum())
+                    tokens += int((mask != 0).sum())
+                await self._data.put_field(step, batch.ids, "returns", returns)
+                await self._data.put_field(step, batch.ids, "advantages", advantages)
+        return {"advantage/abs_mean": token_sum / max(tokens, 1)}
+
     async def _write(self, step: int, members: list[GroupMember]) -> list[tuple[float, bool]]:
         valid = torch.tensor([m.valid for m in members])
         # Infrastructure failures have a NaN reward; they are left out of the statistics.
@@ -342,7 +485,12 @@ class LocalAdvantage:
         one_group = torch.zeros(len(members), dtype=torch.long)
         adv = estimate(rewards, one_group, valid, self._config)
         per_token = [(a * m.loss_mask.float()).tolist() for a, m in zip(adv, members, strict=True)]
-        await self._data.put_field(step, [m.id for m in members], "advantages", per_token)
+        ids = [m.id for m in members]
+        if self._drop_uniform:
+            # Before the advantages: the actor takes a row once its advantages are written.
+            drop = uniform_rewards([m.reward for m in members], [m.valid for m in members])
+            await self._data.put_field(step, ids, "dropped", [int(drop)] * len(ids))
+        await self._data.put_field(step, ids, "advantages", per_token)
         return [(float(a), m.valid) for a, m in zip(adv.tolist(), members, strict=True)]
 
 
@@ -357,15 +505,25 @@ class GroupMember:
     loss_mask: torch.Tensor
 
 
-class LocalReference:
-    """The reference stage in this process: `ref_logprobs` for every row of a step.
+SCORES: dict[ScoringRole, str] = {"reference": "ref_logprobs", "teacher": "teacher_logprobs"}
+"""The scoring roles and the field each writes."""
+
+
+class LocalScorer:
+    """A scoring stage in this process: the logprobs of every row of a step under a frozen
+    model (`role` `reference`: the KL reference's `ref_logprobs`; `teacher`: the distillation
+    teacher's `teacher_logprobs`).
 
     Rows are scored a micro-batch at a time as they arrive, in a torch thread of the stage's
     own. Infrastructure failures, which are never trained, get zeros without a forward pass.
+    Metrics: `{role}/rows`, `perf/{role}_seconds`, and `{role}/reverse_kl`, the mean over the
+    loss-masked tokens of the sampling logprob minus the frozen model's (an estimate of the
+    per-token KL(policy || frozen model) at the weights that sampled the step).
     """
 
     def __init__(
         self,
+        role: ScoringRole,
         data: DataPlane,
         policy: ReferencePolicy,
         micro_batch_size: int,
@@ -373,31 +531,35 @@ class LocalReference:
         threads: int | None,
         media: MediaResolver | None = None,
     ) -> None:
+        self._role = role
+        self._field = SCORES[role]
         self._data = data
         self._media = media
         self._policy = policy
         self._micro_batch_size = micro_batch_size
         self._read_timeout = read_timeout
-        self._thread = TorchThread(threads, "reference")
+        self._thread = TorchThread(threads, role)
 
     def close(self) -> None:
         """Let the stage's thread end."""
         self._thread.close()
 
     async def compute(self, step: int) -> dict[str, float]:
-        """Write `ref_logprobs` for every row of step `step`; return `reference/*` metrics."""
+        """Write this role's field for every row of step `step`; return its metrics."""
         # Every row, as for the advantages: a replacement replica scores the step whole.
-        await self._data.reread(step, "reference")
+        await self._data.reread(step, self._role)
         scored = 0
         busy = 0.0
+        gap = 0.0
+        tokens = 0
         stream = self._data.iter_micro_batches(
             step,
-            REFERENCE_FIELDS,
+            SCORER_FIELDS,
             self._micro_batch_size,
-            "reference",
+            self._role,
             timeout_s=self._read_timeout,
         )
-        async with _closing(stream) as batches:
+        async with closing_stream(stream) as batches:
             async for batch in batches:
                 sequences: list[torch.Tensor] = batch["input_ids"]
                 values = [torch.zeros(len(ids)) for ids in sequences]
@@ -416,9 +578,17 @@ class LocalReference:
                     busy += time.perf_counter() - started
                     for row, i in enumerate(trained):
                         values[i] = logprobs[row, : len(sequences[i])]
+                        mask = batch["loss_mask"][i] != 0
+                        sampled = batch["rollout_logprobs"][i]
+                        gap += float((sampled[mask] - values[i][mask]).sum())
+                        tokens += int(mask.sum())
                     scored += len(trained)
-                await self._data.put_field(step, batch.ids, "ref_logprobs", values)
-        return {"reference/rows": float(scored), "perf/reference_seconds": busy}
+                await self._data.put_field(step, batch.ids, self._field, values)
+        return {
+            f"{self._role}/rows": float(scored),
+            f"{self._role}/reverse_kl": gap / tokens if tokens else math.nan,
+            f"perf/{self._role}_seconds": busy,
+        }
 
 
 def row_media(batch: MicroBatch, media: MediaResolver | None) -> list[Any]:
@@ -432,11 +602,27 @@ def row_media(batch: MicroBatch, media: MediaResolver | None) -> list[Any]:
     return [media.model_inputs(e) for e in entries]
 
 
-def train_rows(batch: MicroBatch, media: MediaResolver | None = None) -> list[TrainRow]:
+def train_rows(
+    batch: MicroBatch, media: MediaResolver | None = None, teacher: TeacherConfig | None = None
+) -> list[TrainRow]:
     """The rows of a micro-batch read with `train_fields`, typed; PPO's pi_old is the policy
     that sampled each row (its rollout logprobs). Media inputs come from `media` (see
-    `row_media`)."""
+    `row_media`). With a `teacher`, each row's advantages gain the teacher's per-token signal
+    against the sampling logprobs (`advantages.with_teacher`)."""
     inputs = row_media(batch, media)
+
+    def advantages(i: int) -> torch.Tensor:
+        if teacher is None:
+            return batch["advantages"][i]
+        return with_teacher(
+            batch["advantages"][i],
+            batch["rollout_logprobs"][i],
+            batch["teacher_logprobs"][i],
+            batch["loss_mask"][i],
+            coef=teacher.coef,
+            reward_weight=teacher.reward_weight,
+        )
+
     return [
         TrainRow(
             id=batch.ids[i],
@@ -444,7 +630,7 @@ def train_rows(batch: MicroBatch, media: MediaResolver | None = None) -> list[Tr
             loss_mask=batch["loss_mask"][i],
             rollout_logprobs=batch["rollout_logprobs"][i],
             weight_version=batch["weight_version"][i],
-            advantages=batch["advantages"][i],
+            advantages=advantages(i),
             stop_reason=str(batch["meta"][i]["stop_reason"]),
             old_logprobs=batch["rollout_logprobs"][i],
             ref_logprobs=batch["ref_logprobs"][i] if "ref_logprobs" in batch.fields else None,
@@ -490,6 +676,7 @@ class LocalActor:
         # The backend's work runs in one thread of its own, set to `trainer_threads`.
         self._compute = TorchThread(config.trainer_threads, "trainer", config.trainer_nice)
         self._fields = train_fields(config)
+        self._teacher = config.trainer.teacher
 
     def close(self) -> None:
         """Let the trainer's thread end (after the work it has)."""
@@ -507,13 +694,18 @@ class LocalActor:
         kept: list[TrainRow] = []
         trained: list[tuple[str, int]] = []
         excluded = 0
+        dropped = 0
         stream = self._data.iter_micro_batches(
             step, self._fields, self._micro_batch_size, "actor", timeout_s=self._read_timeout
         )
-        async with _closing(stream) as batches:
+        async with closing_stream(stream) as batches:
             async for batch in batches:
-                rows = await asyncio.to_thread(train_rows, batch, self._media)
-                for row in rows:
+                rows = await asyncio.to_thread(train_rows, batch, self._media, self._teacher)
+                uniform = batch["dropped"] if "dropped" in batch.fields else [0] * len(rows)
+                for row, drop in zip(rows, uniform, strict=True):
+                    if drop:  # its group has nothing to learn from (dynamic sampling)
+                        dropped += 1
+                        continue
                     if row.stop_reason in INFRA_STOP_REASONS:
                         excluded += 1
                         continue
@@ -545,6 +737,7 @@ class LocalActor:
         self._from_lost_weights = 0
         metrics["perf/train_wait_seconds"] = waited
         metrics["actor/excluded_infra_failures"] = float(excluded)
+        metrics["actor/dropped_uniform_samples"] = float(dropped)
         await self._data.clear(step)
         return TrainReport(
             step=step,

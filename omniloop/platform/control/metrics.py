@@ -26,6 +26,13 @@ The step-level keys the controller reports (see `step_metrics` for the rollout-d
   closed; `perf/train_seconds`: the optimizer step itself; `perf/train_wait_seconds`: how long
   the actor waited for the step's last micro-batch; `perf/sync_seconds`: weight sync.
 - `actor/…`: what the trainer backend reports for its step (loss, grad norm, clip fractions…).
+- `reference/…`, `teacher/…` (the scoring roles, when the run has them): `rows` scored,
+  `reverse_kl` (mean over the sampled tokens of the sampling logprob minus the frozen model's;
+  for the teacher, what on-policy distillation lowers) and `perf/{role}_seconds`.
+- `critic/…` (with `trainer.critic`): `rows`, `value_loss`, `grad_norm`, `values_mean` (the
+  values the step was scored with), `returns_mean`, `explained_variance`; `perf/critic_seconds`.
+- `rollout/extra_groups`, `rollout/dropped_groups`, `actor/dropped_uniform_samples`: dynamic
+  sampling's extra groups, the groups of equal rewards it left out, and their samples.
 - Counters the episodes report (`tool_calls/…`, `media/…`, `gateway/…`) are summed over the
   step; `gateway/prefix_stability` is the step's stable calls over its resent calls.
 """
@@ -165,6 +172,12 @@ def format_line(step: int, total_steps: int, metrics: Mapping[str, float]) -> st
         else:
             parts.append(f"{label} {value}")
     return "  ".join(parts)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file a run leaves (`metrics.jsonl`, `trained.jsonl`,
+    `faults.jsonl`, `trajectories/step_{k}.jsonl`), in order; blank lines are skipped."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def truncate_jsonl(path: Path, keep: int) -> int:

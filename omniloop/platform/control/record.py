@@ -15,7 +15,7 @@ from rich.progress import Progress, TaskID
 
 from omniloop.errors import ConfigError
 from omniloop.platform.control.console import console
-from omniloop.platform.control.controller import Actor, RolloutReport, TrainReport
+from omniloop.platform.control.controller import Actor, Critic, RolloutReport, TrainReport
 from omniloop.platform.control.faults import Fault, FaultTimeline
 from omniloop.platform.control.metrics import MetricsSink, truncate_jsonl
 from omniloop.platform.control.run_config import RunConfig
@@ -161,10 +161,13 @@ class RunRecord:
         self.rewind(restored)
         return restored
 
-    async def checkpoint(self, actor: Actor, step: int) -> Path:
-        """Save `checkpoints/step_{step}` and delete all but the newest `keep_checkpoints`."""
+    async def checkpoint(self, actor: Actor, step: int, critic: Critic | None = None) -> Path:
+        """Save `checkpoints/step_{step}` (the actor's part, written aside and renamed into
+        place, then the critic's inside it) and delete all but the newest `keep_checkpoints`."""
         path = self.run_dir / "checkpoints" / f"step_{step}"
         await actor.save(path, step)
+        if critic is not None:
+            await critic.save(path)
         for old in checkpoints(self.run_dir)[: -self._config.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         return path

@@ -67,6 +67,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
     config = with_run_id(config, resume=resume)
     seed_everything(config.seed)
     check_tasks(config)
+    check_teacher(config)
     plane_config = DataPlaneConfig(
         ray_address=config.ray_address,
         num_cpus=config.data_plane.num_cpus,
@@ -114,6 +115,8 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         start = 0
         if resume and (found := checkpoints(run_dir)):
             start = await roles.actor.load(found[-1])
+            if roles.critic is not None:
+                await roles.critic.load(found[-1])
             await roles.sync.publish(roles.actor.version)
             console.print(
                 f"[bold]resumed from[/bold] {found[-1]} (version {roles.actor.version})",
@@ -157,6 +160,28 @@ def check_tasks(config: RunConfig) -> None:
         step_tasks(tasks, 0, config.tasks_per_step)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_teacher(config: RunConfig) -> None:
+    """Fail at once if the teacher (`trainer.teacher`) cannot score the policy's token ids as
+    they are: its tokenizer must have the policy's vocabulary, id for id."""
+    from omniloop.inference.models import load_tokenizer
+
+    teacher = config.trainer.teacher
+    if teacher is None:
+        return
+    try:
+        vocabulary = load_tokenizer(teacher.model).get_vocab()
+    except (OSError, ValueError) as err:
+        raise ConfigError(
+            f"trainer.teacher.model={teacher.model!r} cannot be loaded: {err}"
+        ) from err
+    if vocabulary != load_tokenizer(config.model).get_vocab():
+        raise ConfigError(
+            f"trainer.teacher.model={teacher.model!r} has another vocabulary than the policy "
+            f"{config.model!r}; the teacher scores the policy's token ids as they are, so it "
+            "must use the policy's tokenizer (pick a teacher of the same model family)"
+        )
 
 
 def run_media_dir(config: RunConfig) -> Path:
@@ -274,9 +299,10 @@ async def local_roles(
     client as a service would have; the actor reads through `plane`."""
     from omniloop.platform.control.local import (
         LocalAdvantage,
-        LocalReference,
+        LocalScorer,
         StepRollout,
-        uses_reference_role,
+        scored_by,
+        scoring_roles,
     )
     from omniloop.platform.data import DataPlane
     from omniloop.trainer.reference import TorchReference
@@ -299,28 +325,59 @@ async def local_roles(
             retry=retry,
             on_start=record.episodes_started,
             on_episode=record.episodes_done,
+            group_size=config.rollout.samples_per_task,
+            extra_groups=config.dynamic_sampling,
         )
         advantage = LocalAdvantage(
             advantage_data,
             config.trainer.advantage,
             config.rollout.samples_per_task,
             config.data_plane.read_timeout,
+            drop_uniform=config.dynamic_sampling > 0,
+            critic=config.trainer.critic,
         )
-        reference = None
-        if uses_reference_role(config):
-            reference_data = DataPlane.start()
-            stack.callback(reference_data.close)
-            policy = await asyncio.to_thread(TorchReference, config.model, config.trainer)
-            reference = LocalReference(
-                reference_data,
-                policy,
+        scorers: dict[str, LocalScorer] = {}
+        for role in scoring_roles(config):
+            scorer_data = DataPlane.start()
+            stack.callback(scorer_data.close)
+            scorer = LocalScorer(
+                role,
+                scorer_data,
+                await asyncio.to_thread(TorchReference, scored_by(config, role), config.trainer),
                 config.trainer.micro_batch_size,
                 config.data_plane.read_timeout,
                 config.trainer_threads,
                 media=await asyncio.to_thread(run_media, config),
             )
-            stack.callback(reference.close)
-        yield Roles(rollout, advantage, actor, weights, reference=reference)
+            stack.callback(scorer.close)
+            scorers[role] = scorer
+        critic = None
+        if config.trainer.critic is not None:
+            from omniloop.platform.control.critic_stage import LocalCritic
+            from omniloop.trainer.critic import TorchCritic
+
+            critic_data = DataPlane.start()
+            stack.callback(critic_data.close)
+            critic = LocalCritic(
+                critic_data,
+                await asyncio.to_thread(
+                    TorchCritic, config.model, config.trainer, config.trainer.critic
+                ),
+                config.trainer.critic,
+                config.trainer.micro_batch_size,
+                config.data_plane.read_timeout,
+                config.trainer_threads,
+            )
+            stack.callback(critic.close)
+        yield Roles(
+            rollout,
+            advantage,
+            actor,
+            weights,
+            reference=scorers.get("reference"),
+            teacher=scorers.get("teacher"),
+            critic=critic,
+        )
 
 
 def with_run_id(config: RunConfig, *, resume: bool) -> RunConfig:

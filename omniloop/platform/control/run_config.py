@@ -96,7 +96,18 @@ class ServicesConfig(StrictModel):
     max_failed_polls: int = Field(default=30, ge=1)
     """Consecutive polls Ray Serve may fail to answer before the run fails."""
     placement: dict[
-        Literal["actor", "engine", "reward", "rollout", "advantage", "reference", "sandbox", "api"],
+        Literal[
+            "actor",
+            "engine",
+            "reward",
+            "rollout",
+            "advantage",
+            "reference",
+            "teacher",
+            "critic",
+            "sandbox",
+            "api",
+        ],
         RolePlacement,
     ] = Field(default_factory=dict)
     """Per role, the resources its replicas ask Ray for (default: none beyond the node's)."""
@@ -140,6 +151,11 @@ class RunConfig(StrictModel):
     tasks_per_step: int = Field(default=8, ge=1)
     """Tasks per rollout step; each gets `rollout.samples_per_task` episodes. Tasks are taken in
     file order, cycling, by data position: step `k` uses tasks `k*tasks_per_step ...`."""
+    dynamic_sampling: int = Field(default=0, ge=0)
+    """DAPO's dynamic sampling: a group whose rewards are all equal (it has no advantage to
+    learn from) is not trained, and is replaced by another group, of the tasks that follow the
+    step's own, until the step has `tasks_per_step` groups to train or this many extra groups
+    ran (then the step trains fewer). 0 trains every group as it comes."""
     max_staleness: MaxStaleness = 1
     """How many optimizer steps the weights that sampled a trained token may lag behind the
     trainer: 0 is on-policy (rollout and training alternate), `k` lets rollouts run up to `k`
@@ -184,6 +200,16 @@ class RunConfig(StrictModel):
     run_id: str | None = Field(default=None, min_length=1, max_length=64)
     """Id of the run in the database and in every trajectory id (so ids never clash across
     runs); None makes a new one. It is kept in `RUN_DIR/run_id`, and `--resume` reuses it."""
+
+    @model_validator(mode="after")
+    def _check_dynamic_sampling(self) -> RunConfig:
+        if self.dynamic_sampling and self.trainer.critic is not None:
+            raise ValueError(
+                f"dynamic_sampling={self.dynamic_sampling} drops groups with equal rewards, which "
+                "a critic's advantages (trainer.critic, estimator gae) do not have: set "
+                "dynamic_sampling=0, or use a group estimator"
+            )
+        return self
 
     @model_validator(mode="after")
     def _correct_stale_samples(self) -> RunConfig:

@@ -78,6 +78,8 @@ class SandboxServer:
         # Serve's graceful stop: SIGTERM, on which sandboxd closes every sandbox and pool.
         from omniloop.processes import stop_process
 
+        if not hasattr(self, "_http"):
+            return  # the constructor failed: no sandboxd was started
         await asyncio.to_thread(stop_process, self._proc, 20.0)
         await self._http.aclose()
 

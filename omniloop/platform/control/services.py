@@ -18,8 +18,13 @@ reached by the controller only through a `DeploymentHandle` behind the protocols
   through `ServiceSandboxes` and rewards through `RemoteReward`s,
   and runs up to its share of `rollout.concurrency` episodes at once (`max_ongoing_requests`).
 - `advantage` (`AdvantageServer`): one request per step, which reads the step whole.
-- `reference` (`ReferenceServer`, only with `trainer.reference=external` and a KL penalty):
+- `reference` (`ScorerServer`, only with `trainer.reference=external` and a KL penalty):
   the frozen base model; one request per step, which writes the step's `ref_logprobs`.
+- `teacher` (`ScorerServer`, only with `trainer.teacher`): the distillation teacher; one
+  request per step, which writes the step's `teacher_logprobs`.
+- `critic` (`CriticServer`, only with `trainer.critic`): PPO's value model; one request per
+  step, which writes the step's `values` and then trains on its `returns`; saved with each
+  checkpoint.
 - `api` (`api_service.ApiServer`, with `services.api`): the REST API and dashboard over the
   run's store, behind Serve's HTTP proxy (deployed first: it needs none of the others).
 
@@ -80,7 +85,7 @@ from omniloop.platform.control.controller import (
 from omniloop.platform.control.engine_service import EngineServer
 from omniloop.platform.control.faults import Failure, FaultTimeline, Retry
 from omniloop.platform.control.health import HealthMonitor
-from omniloop.platform.control.local import StepRollout, uses_reference_role
+from omniloop.platform.control.local import ScoringRole, StepRollout, scoring_roles
 from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.sandbox_service import SandboxServer
@@ -134,25 +139,14 @@ class RolloutServer:
     # Serve awaits an async constructor; mypy knows no such thing.
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
         enter_run_folder(cwd, paths)
-        from omniloop.inference.models import resolve_model
-        from omniloop.inference.router import EngineRouter
+        from omniloop.platform.control.engine_routes import run_engines
         from omniloop.platform.control.reward_service import remote_rewards
-        from omniloop.platform.control.rollout import media_encoder
         from omniloop.platform.control.run import episode_runner
         from omniloop.platform.control.sandbox_service import ServiceSandboxes
 
         self._stack = contextlib.AsyncExitStack()
-        actor = serve.get_app_handle("actor")
-
-        async def rotation() -> list[str]:
-            urls: list[str] = await actor.engine_urls.remote()
-            return urls
-
         # Requests go to the engines the actor's coordinator has given the current weights.
-        encoder = media_encoder(
-            config.rollout.engine, resolve_model(config.model), config.rollout.media
-        )
-        engine = EngineRouter(rotation, wait_s=config.services.engine_wait_s, media_encoder=encoder)
+        engine = run_engines(config)
         self._stack.push_async_callback(engine.aclose)
         sandboxes = ServiceSandboxes(
             serve.get_app_handle("sandbox"), config.rollout.sandbox, config.services.sandbox_wait_s
@@ -197,6 +191,8 @@ class AdvantageServer:
             config.trainer.advantage,
             config.rollout.samples_per_task,
             config.data_plane.read_timeout,
+            drop_uniform=config.dynamic_sampling > 0,
+            critic=config.trainer.critic,
         )
 
     async def compute(self, step: int) -> dict[str, float]:
@@ -206,20 +202,26 @@ class AdvantageServer:
         _check_data_plane()
 
 
-class ReferenceServer:
-    """The reference replica: the frozen base model, scoring a step's rows on request."""
+class ScorerServer:
+    """A scoring replica (`reference`: the frozen base model; `teacher`: the distillation
+    teacher), scoring a step's rows on request (`local.LocalScorer`)."""
 
-    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+    # Serve awaits an async constructor; mypy knows no such thing.
+    async def __init__(  # type: ignore[misc]
+        self, role: ScoringRole, config: RunConfig, cwd: str, paths: list[str]
+    ) -> None:
         enter_run_folder(cwd, paths)
-        from omniloop.platform.control.local import LocalReference
+        from omniloop.platform.control.local import LocalScorer, scored_by
         from omniloop.platform.control.run import run_media
         from omniloop.platform.data import DataPlane
         from omniloop.trainer.reference import TorchReference
 
         self._data = DataPlane.start()
-        policy = await asyncio.to_thread(TorchReference, config.model, config.trainer)
+        model = scored_by(config, role)
+        policy = await asyncio.to_thread(TorchReference, model, config.trainer)
         # Each `compute` reads its step whole, like the advantage stage's.
-        self._reference = LocalReference(
+        self._scorer = LocalScorer(
+            role,
             self._data,
             policy,
             config.trainer.micro_batch_size,
@@ -229,14 +231,69 @@ class ReferenceServer:
         )
 
     async def compute(self, step: int) -> dict[str, float]:
-        return await self._reference.compute(step)
+        return await self._scorer.compute(step)
 
     async def check_health(self) -> None:
         _check_data_plane()
 
 
+class CriticServer:
+    """The critic replica: PPO's value model (`critic_stage.LocalCritic`). A replica that
+    replaces a lost one continues from the newest checkpoint's critic (what the lost one
+    learned since is lost with it)."""
+
+    # Serve awaits an async constructor; mypy knows no such thing.
+    async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
+        enter_run_folder(cwd, paths)
+        from omniloop.platform.control.critic_stage import LocalCritic
+        from omniloop.platform.control.record import checkpoints
+        from omniloop.platform.data import DataPlane
+        from omniloop.trainer.critic import TorchCritic
+
+        if config.trainer.critic is None:
+            raise ValueError("the critic role needs trainer.critic")
+        self._data = DataPlane.start()
+        model = await asyncio.to_thread(
+            TorchCritic, config.model, config.trainer, config.trainer.critic
+        )
+        self._critic = LocalCritic(
+            self._data,
+            model,
+            config.trainer.critic,
+            config.trainer.micro_batch_size,
+            config.data_plane.read_timeout,
+            config.trainer_threads,
+        )
+        if found := checkpoints(Path(config.run_dir)):
+            await self._critic.load(found[-1])
+
+    async def compute(self, step: int) -> dict[str, float]:
+        return await self._critic.compute(step)
+
+    async def save(self, checkpoint: str) -> None:
+        await self._critic.save(Path(checkpoint))
+
+    async def load(self, checkpoint: str) -> None:
+        await self._critic.load(Path(checkpoint))
+
+    async def check_health(self) -> None:
+        _check_data_plane()
+
+
+class ActorReplaced(RoleLost):
+    """The actor replica that answered replaced a lost one and holds its initial weights: it
+    trains, saves and publishes only once the controller has restored it (`ServiceActor.recover`).
+    Without this, a replica killed between two requests would be replaced unnoticed, and the next
+    step trained on the initial weights."""
+
+    failed_role = "actor"
+
+
 class ActorServer:
-    """The actor replica: the trainer backend with its data-plane reader and weight sync."""
+    """The actor replica: the trainer backend with its data-plane reader and weight sync.
+
+    The controller adopts the first replica (`adopt`, `load`); a replacement serves training
+    requests only after `restore` or `start_over` (before: `ActorReplaced`)."""
 
     # Serve awaits an async constructor; mypy knows no such thing.
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
@@ -246,18 +303,34 @@ class ActorServer:
         self._stack = contextlib.AsyncExitStack()
         # Engines attach themselves (`attach_engine`) as their replicas start.
         self._actor, self._weights = await self._stack.enter_async_context(actor_roles(config, []))
+        self._adopted = False
 
     async def version(self) -> int:
         return self._actor.version
 
+    async def adopt(self) -> int:
+        """The run's first replica, taken as it is; its weight version."""
+        self._adopted = True
+        return self._actor.version
+
+    def _serving_the_run(self) -> None:
+        if not self._adopted:
+            raise ActorReplaced(
+                "this actor replica replaced a lost one and has not been restored yet"
+            )
+
     async def train(self, step: int) -> TrainReport:
+        self._serving_the_run()
         return await self._actor.train(step)
 
     async def save(self, path: str, step: int) -> None:
+        self._serving_the_run()
         await self._actor.save(Path(path), step)
 
     async def load(self, path: str) -> tuple[int, int]:
+        """Resume the run from the checkpoint at `path` (adopts this replica)."""
         step = await self._actor.load(Path(path))
+        self._adopted = True
         return step, self._actor.version
 
     async def start_over(self) -> tuple[int, int]:
@@ -265,12 +338,14 @@ class ActorServer:
         weights and every row unread."""
         await self._actor.forget_consumed()
         self._actor.restored()
+        self._adopted = True
         return 0, self._actor.version
 
     async def restore(self, path: str) -> tuple[int, int]:
         """A replica that replaces a lost one restores the checkpoint at `path`."""
         step = await self._actor.load(Path(path))
         self._actor.restored()
+        self._adopted = True
         return step, self._actor.version
 
     async def serves(self, url: str) -> bool:
@@ -284,6 +359,7 @@ class ActorServer:
         return self._weights.engine_urls
 
     async def publish(self, version: int) -> dict[str, float]:
+        self._serving_the_run()
         return await self._weights.publish(version)
 
     async def attach_engine(self, url: str, served_version: int) -> None:
@@ -324,7 +400,7 @@ class ActorServer:
 
 
 class ServiceStage:
-    """`Advantage` or `Reference` over the deployment of `role` (a stage that computes a
+    """`Advantage` or `Scorer` over the deployment of `role` (a stage that computes a
     step's field on request); a step lost with its replica is redone."""
 
     def __init__(self, role: str, handle: DeploymentHandle, retry: Retry) -> None:
@@ -339,6 +415,28 @@ class ServiceStage:
             what=f"step {step}'s {self._role}",
         )
         return result
+
+
+class ServiceCritic:
+    """`Critic` over the critic deployment; a step or a save lost with its replica is redone."""
+
+    def __init__(self, handle: DeploymentHandle, retry: Retry) -> None:
+        self._handle = handle
+        self._retry = retry
+        self._stage = ServiceStage("critic", handle, retry)
+
+    async def compute(self, step: int) -> dict[str, float]:
+        return await self._stage.compute(step)
+
+    async def save(self, checkpoint: Path) -> None:
+        await self._retry.call(
+            "critic", lambda _: self._handle.save.remote(str(checkpoint)), what="saving"
+        )
+
+    async def load(self, checkpoint: Path) -> None:
+        await self._retry.call(
+            "critic", lambda _: self._handle.load.remote(str(checkpoint)), what="loading"
+        )
 
 
 class ServiceActor:
@@ -450,13 +548,17 @@ async def service_roles(
         max_ongoing_requests=64,
         **role_options(config, "advantage"),
     )(AdvantageServer).bind(config, cwd, paths)
-    with_reference = uses_reference_role(config)
-    reference_app = serve.deployment(
-        name="reference",
-        num_replicas=1,
-        max_ongoing_requests=64,
-        **role_options(config, "reference"),
-    )(ReferenceServer).bind(config, cwd, paths)
+    critic_app = serve.deployment(
+        name="critic", num_replicas=1, max_ongoing_requests=64, **role_options(config, "critic")
+    )(CriticServer).bind(config, cwd, paths)
+    scorers = scoring_roles(config)
+    with_critic = config.trainer.critic is not None
+    scorer_apps = {
+        role: serve.deployment(
+            name=role, num_replicas=1, max_ongoing_requests=64, **role_options(config, role)
+        )(ScorerServer).bind(role, config, cwd, paths)
+        for role in scorers
+    }
     reward_app = serve.deployment(
         name="reward",
         num_replicas=settings.reward_replicas,
@@ -503,10 +605,10 @@ async def service_roles(
         serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(reward_app, name="reward", route_prefix=None, logging_config=SERVE_LOGGING)
         serve.run(sandbox_app, name="sandbox", route_prefix=None, logging_config=SERVE_LOGGING)
-        if with_reference:
-            serve.run(
-                reference_app, name="reference", route_prefix=None, logging_config=SERVE_LOGGING
-            )
+        for role, app in scorer_apps.items():
+            serve.run(app, name=role, route_prefix=None, logging_config=SERVE_LOGGING)
+        if with_critic:
+            serve.run(critic_app, name="critic", route_prefix=None, logging_config=SERVE_LOGGING)
         return (
             actor,
             serve.run(rollout_app, name="rollout", route_prefix=None, logging_config=SERVE_LOGGING),
@@ -517,7 +619,7 @@ async def service_roles(
 
     try:
         actor, rollout, advantage = await asyncio.to_thread(deploy)
-        version = await actor.version.remote()
+        version = await actor.adopt.remote()
         if settings.api:
             console.print(
                 f"[bold]dashboard[/bold] http://{settings.api_host}:{api_port}/", soft_wrap=True
@@ -534,6 +636,7 @@ async def service_roles(
             await rollout.close_step.remote(step)
 
         episodes = config.tasks_per_step * config.rollout.samples_per_task
+        stages = {role: ServiceStage(role, serve.get_app_handle(role), retry) for role in scorers}
         yield Roles(
             rollout=StepRollout(
                 episodes,
@@ -544,6 +647,8 @@ async def service_roles(
                 retry=retry,
                 on_start=on_start,
                 on_episode=on_episode,
+                group_size=config.rollout.samples_per_task,
+                extra_groups=config.dynamic_sampling,
             ),
             advantage=ServiceStage("advantage", advantage, retry),
             actor=ServiceActor(actor, version, settings.engine_wait_s),
@@ -557,17 +662,17 @@ async def service_roles(
                     "advantage": 1,
                     "actor": 1,
                     **({"api": 1} if settings.api else {}),
-                    **({"reference": 1} if with_reference else {}),
+                    **dict.fromkeys(scorers, 1),
+                    **({"critic": 1} if with_critic else {}),
                 },
                 timeline,
                 period_s=settings.health_poll_s,
                 max_failed_polls=settings.max_failed_polls,
+                follow={LAUNCHED: 1},
             ),
-            reference=(
-                ServiceStage("reference", serve.get_app_handle("reference"), retry)
-                if with_reference
-                else None
-            ),
+            reference=stages.get("reference"),
+            teacher=stages.get("teacher"),
+            critic=(ServiceCritic(serve.get_app_handle("critic"), retry) if with_critic else None),
         )
     finally:
         await asyncio.to_thread(_undeploy)
@@ -618,7 +723,8 @@ class ServeEngineLauncher:
     is up, so a launched engine is in rotation, with the current weights, once `launch`
     returns. What it launched is read back from Serve each time (no state of its own), so an
     api replica that restarted still finds the engines launched before. The health monitor
-    does not follow these applications; Serve still restarts a replica that fails."""
+    follows each application from its first healthy poll (a fault of role `engine+N` while it
+    is down); Serve restarts a replica that fails."""
 
     def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:
         self._unusable = (
@@ -684,16 +790,23 @@ def _forget_serve_client() -> None:
     _set_global_client(None)
 
 
-def replica_pids(role: str) -> list[int]:
+def replica_pids(role: str, *, within: int | None = None) -> list[int]:
     """Process ids of the live replicas of `role` on this machine (for chaos tests and
     benchmarks): Ray titles each replica's process `ray::ServeReplica:{app}:{deployment}`.
-    Processes a replica forked keep its title; they are left out."""
+    Processes a replica forked keep its title; they are left out. `within`: only the
+    descendants of that process (the driver that started its Ray), not another run's."""
     import psutil
 
     title = f"ray::ServeReplica:{role}:"
+    processes = (
+        psutil.process_iter() if within is None else psutil.Process(within).children(recursive=True)
+    )
     titled: dict[int, int] = {}
-    for process in psutil.process_iter(["cmdline", "ppid"]):
-        cmdline = process.info["cmdline"] or []
+    for process in processes:
+        try:
+            cmdline, parent = process.cmdline(), process.ppid()
+        except psutil.Error:  # gone meanwhile, or not ours to read
+            continue
         if cmdline and cmdline[0].startswith(title):
-            titled[process.pid] = process.info["ppid"]
+            titled[process.pid] = parent
     return [pid for pid, parent in titled.items() if parent not in titled]

@@ -53,9 +53,11 @@ FIELDS: dict[str, FieldSpec] = {
     "reward": FieldSpec("scalar", torch.float32),
     "reward_info": FieldSpec("json"),
     "ref_logprobs": FieldSpec("tokens", torch.float32),
+    "teacher_logprobs": FieldSpec("tokens", torch.float32),
     "old_logprobs": FieldSpec("tokens", torch.float32),
     "values": FieldSpec("tokens", torch.float32),
     "advantages": FieldSpec("tokens", torch.float32),
+    "dropped": FieldSpec("scalar", torch.int8),
     "returns": FieldSpec("tokens", torch.float32),
 }
 """The fields of DESIGN.md §2. Other names may be written with an explicit `kind`."""

@@ -189,6 +189,8 @@ async def test_beyond_loopback_every_route_but_the_open_ones_needs_the_token(
     # The table really holds the API, the dashboard's endpoint and its pages.
     assert {"/v1/runs", "/v1/episodes/{episode_id}/events", "/v1/tokens/{episode_id}"} <= templates
     assert {"/", "/metrics", "/healthz", "/v1/rollout/engines"} <= templates
+    # ... and the OpenAI-compatible gateway's routes.
+    assert {"/v1/chat/completions", "/v1/models", "/v1/sessions/{session_id}"} <= templates
     right = {"Authorization": f"Bearer {TOKEN}"}
     wrong = {"Authorization": "Bearer not-the-token-0123456789"}
     async with open_api(settings, app) as api:

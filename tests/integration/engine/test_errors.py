@@ -62,6 +62,49 @@ async def test_wrong_types(http: httpx.AsyncClient, body: dict[str, Any], needle
     assert needle in await rejected(http, body)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"top_logprobs_num": -1},
+        {"top_logprobs_num": 21},
+        {"top_logprobs_num": "3"},
+        {"top_logprobs_num": 2.0},
+        {"top_logprobs_num": True},
+        {"top_logprobs_num": [2]},
+        {"input_ids": [[1, 2], [1, 3]], "top_logprobs_num": [2, 2, 2]},
+        {"input_ids": [[1, 2], [1, 3]], "top_logprobs_num": [2, 99]},
+    ],
+)
+async def test_bad_top_logprobs_num(http: httpx.AsyncClient, extra: dict[str, Any]) -> None:
+    body = {"input_ids": [1, 2], "return_logprob": True, **extra}
+    message = await rejected(http, body)
+    assert "top_logprobs_num" in message
+    if extra["top_logprobs_num"] in (-1, 21) or extra["top_logprobs_num"] == [2, 99]:
+        assert "between 0 and 20" in message
+
+
+async def test_client_refuses_an_answer_without_asked_top_logprobs() -> None:
+    """An engine that ignores `top_logprobs_num` (an older one) is an error, not silence."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        meta = {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 2,
+            "completion_tokens": 1,
+            "weight_version": "0",
+            "output_token_logprobs": [[-0.5, 7, None]],
+        }
+        return httpx.Response(200, json={"text": "", "output_ids": [7], "meta_info": meta})
+
+    transport = httpx.MockTransport(answer)
+    async with EngineClient("http://engine", transport=transport) as client:
+        plain = await client.generate([1, 2], SamplingParams(max_new_tokens=1))
+        assert plain.top_logprobs is None
+        with pytest.raises(EngineError, match="top_logprobs_num=2"):
+            await client.generate([1, 2], SamplingParams(max_new_tokens=1), top_logprobs=2)
+
+
 async def test_empty_prompts(http: httpx.AsyncClient) -> None:
     assert "empty" in await rejected(http, {"input_ids": []})
     assert "at least one token" in await rejected(http, {"input_ids": [[1, 2], []]})

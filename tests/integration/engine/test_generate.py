@@ -12,6 +12,7 @@ import torch
 from omniloop.inference.base import SamplingParams
 from omniloop.inference.client import EngineClient
 from omniloop.inference.models import resolve_model
+from omniloop.inference.router import EngineRouter
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 30],
@@ -253,6 +254,112 @@ async def test_client_generate_batch(engine: EngineClient) -> None:
     singles = [await engine.generate(p, sampling) for p in PROMPTS[:2]]
     assert [b.output_ids for b in batch] == [s.output_ids for s in singles]
     assert all(b.prompt_tokens == len(p) for b, p in zip(batch, PROMPTS, strict=False))
+
+
+# -- top logprobs ----------------------------------------------------------------------------
+
+
+def raw_top(prompt: list[int], output_ids: list[int], n: int) -> list[list[tuple[int, float]]]:
+    """The `n` most likely tokens after each output position, from transformers' forward."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(resolve_model("tiny"), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + output_ids])).logits[0].float()
+    top = torch.topk(torch.log_softmax(logits, dim=-1), n, dim=-1)
+    start = len(prompt) - 1
+    return [
+        list(zip(top.indices[i].tolist(), top.values[i].tolist(), strict=True))
+        for i in range(start, start + len(output_ids))
+    ]
+
+
+async def test_top_logprobs_over_http_in_sglang_shape(
+    http: httpx.AsyncClient, tokenizer: Any
+) -> None:
+    body = {
+        "input_ids": PROMPTS[0],
+        "sampling_params": seeded(4),
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "top_logprobs_num": 3,
+    }
+    out = await generate(http, body)
+    meta = out["meta_info"]
+    top = meta["output_top_logprobs"]
+    assert len(top) == len(out["output_ids"]) == 4
+    for step, (logprob, token, _) in zip(top, meta["output_token_logprobs"], strict=True):
+        assert len(step) == 3
+        assert all(len(t) == 3 and t[2] == tokenizer.decode([t[1]]) for t in step)
+        values = [t[0] for t in step]
+        assert values == sorted(values, reverse=True)
+        # The sampled token, when among the top, carries exactly its sampled logprob.
+        assert {t[1]: t[0] for t in step}.get(token, logprob) == logprob
+    # Without return_logprob (as SGLang) or with 0 there are none.
+    del body["return_logprob"]
+    assert "output_top_logprobs" not in (await generate(http, body))["meta_info"]
+    zero = {**body, "return_logprob": True, "top_logprobs_num": 0}
+    assert "output_top_logprobs" not in (await generate(http, zero))["meta_info"]
+
+
+async def test_client_top_logprobs_equal_the_engine_and_the_raw_distribution(
+    http: httpx.AsyncClient, engine: EngineClient
+) -> None:
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+    out = await engine.generate(PROMPTS[1], sampling, top_logprobs=5)
+    assert out.top_logprobs is not None
+    # Greedy: each step's first entry is the sampled token with its sampled logprob.
+    assert [step[0] for step in out.top_logprobs] == list(
+        zip(out.output_ids, out.output_logprobs, strict=True)
+    )
+    # The same numbers as the engine's own answer (through the client unchanged) ...
+    wire = await generate(
+        http,
+        {
+            "input_ids": PROMPTS[1],
+            "sampling_params": greedy(4),
+            "return_logprob": True,
+            "top_logprobs_num": 5,
+        },
+    )
+    assert out.top_logprobs == [
+        [(t[1], t[0]) for t in step] for step in wire["meta_info"]["output_top_logprobs"]
+    ]
+    # ... and those of the raw (temperature-1, untruncated) distribution.
+    expected = raw_top(PROMPTS[1], out.output_ids, 5)
+    for got, want in zip(out.top_logprobs, expected, strict=True):
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+    plain = await engine.generate(PROMPTS[1], sampling)
+    assert plain.top_logprobs is None
+    assert plain.output_ids == out.output_ids
+
+
+async def test_batched_top_logprobs_per_item(http: httpx.AsyncClient) -> None:
+    body = {
+        "input_ids": PROMPTS[:3],
+        "sampling_params": greedy(3),
+        "return_logprob": [True, True, False],
+        "top_logprobs_num": [2, 0, 4],
+    }
+    asks, zero, no_logprob = await generate(http, body)
+    assert [len(step) for step in asks["meta_info"]["output_top_logprobs"]] == [2, 2, 2]
+    assert "output_top_logprobs" not in zero["meta_info"]
+    assert "output_top_logprobs" not in no_logprob["meta_info"]
+    scalar = await generate(http, {**body, "return_logprob": True, "top_logprobs_num": 1})
+    assert [len(r["meta_info"]["output_top_logprobs"]) for r in scalar] == [3, 3, 3]
+
+
+async def test_router_forwards_top_logprobs(tiny_engine_url: str) -> None:
+    router = EngineRouter.over([tiny_engine_url])
+    try:
+        sampling = SamplingParams(max_new_tokens=2, temperature=0.0)
+        out = await router.session("episode").generate(PROMPTS[2], sampling, top_logprobs=2)
+        assert out.top_logprobs is not None
+        assert [len(step) for step in out.top_logprobs] == [2, 2]
+        assert (await router.generate(PROMPTS[2], sampling)).top_logprobs is None
+    finally:
+        await router.aclose()
 
 
 def engine_series(text: str) -> dict[str, float]:

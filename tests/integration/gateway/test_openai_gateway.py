@@ -151,15 +151,42 @@ async def test_streaming_gives_the_ids_and_text_of_a_plain_call(gateway_url: str
     assert usage.completion_tokens == len(ids)
 
 
+async def test_top_logprobs_are_the_engines_most_likely_tokens(gateway_url: str) -> None:
+    messages = [{"role": "user", "content": "Count: one, two,"}]
+    asked: dict[str, Any] = {"max_tokens": 6, "temperature": 0, "logprobs": True}
+    async with sdk(gateway_url) as client:
+        greedy = await client.chat.completions.create(
+            model="tiny", messages=messages, top_logprobs=3, **asked
+        )  # type: ignore[call-overload]
+        stream = await client.chat.completions.create(
+            model="tiny", messages=messages, top_logprobs=3, stream=True, **asked
+        )  # type: ignore[call-overload]
+        streamed = [
+            entry for chunk in [c async for c in stream] for choice in chunk.choices
+            if choice.logprobs is not None for entry in choice.logprobs.content or []
+        ]  # fmt: skip
+    choice = greedy.choices[0]
+    assert choice.logprobs is not None
+    entries = choice.logprobs.content or []
+    assert len(entries) == len(choice.model_extra["token_ids"]) > 0
+    for entry in entries:
+        tops = [top.logprob for top in entry.top_logprobs]
+        assert len(tops) == 3
+        assert tops == sorted(tops, reverse=True)
+        # Greedy: the sampled token is the most likely one.
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)
+    assert [e.top_logprobs for e in streamed] == [e.top_logprobs for e in entries]
+
+
 async def test_a_wrong_key_and_an_unsupported_field_are_refused(gateway_url: str) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     async with sdk(gateway_url, key="not-the-token") as client:
         with pytest.raises(openai.AuthenticationError):
             await client.chat.completions.create(model="tiny", messages=messages)  # type: ignore[call-overload]
     async with sdk(gateway_url) as client:
-        with pytest.raises(openai.BadRequestError, match="top_logprobs is not supported"):
+        with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
             await client.chat.completions.create(
-                model="tiny", messages=messages, logprobs=True, top_logprobs=2
+                model="tiny", messages=messages, presence_penalty=0.5
             )  # type: ignore[call-overload]
         with pytest.raises(openai.BadRequestError, match=r"max_context is 512"):
             await client.chat.completions.create(

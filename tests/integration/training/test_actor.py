@@ -16,12 +16,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from omniloop.platform.control.local import LocalActor, LocalReference
+from omniloop.platform.control.local import LocalActor, LocalAdvantage, LocalScorer
 from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.data import DataPlane, DataPlaneConfig
 from omniloop.trainer.batch import TrainBatch
-from omniloop.trainer.config import LossConfig, TrainerConfig
+from omniloop.trainer.config import (
+    AdvantageConfig,
+    CriticConfig,
+    LossConfig,
+    TeacherConfig,
+    TrainerConfig,
+)
 from omniloop.trainer.reference import TorchReference
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trajectory import StopReason, Trajectory, TrajectoryBuilder, TrajectoryMeta
@@ -93,7 +99,9 @@ async def test_the_reference_stage_scores_like_the_frozen_copy(plane: DataPlane)
     await plane.put_rollout(step, rows)
     await plane.close_partition(step)
 
-    reference = LocalReference(plane, TorchReference("tiny", external), 2, 30.0, threads=1)
+    reference = LocalScorer(
+        "reference", plane, TorchReference("tiny", external), 2, 30.0, threads=1
+    )
     try:
         metrics = await reference.compute(step)
     finally:
@@ -124,3 +132,74 @@ async def test_the_reference_stage_scores_like_the_frozen_copy(plane: DataPlane)
     report = await LocalActor(backend, plane, config).train(step)
     assert {i for i, _ in report.trained} == {t.id for t in rows[:-1]}
     assert abs(report.metrics["actor/kl"]) < 1e-5
+
+
+async def test_the_teacher_stage_scores_rows_and_the_actor_trains_on_its_signal(
+    plane: DataPlane,
+) -> None:
+    teacher = TeacherConfig(model="tiny", coef=1.0, reward_weight=0.0)
+    trainer = TrainerConfig(device="cpu", micro_batch_size=2, teacher=teacher)
+    config = RunConfig(
+        model="tiny",
+        rollout=RolloutConfig(tasks="unused.jsonl", agent="unused.py:agent", samples_per_task=2),
+        trainer=trainer,
+    )
+    rows = [sample(f"t{n}", 0, prompt=tuple(range(1, n + 3))) for n in range(3)]
+    step = 12
+    await plane.put_rollout(step, rows)
+    await plane.close_partition(step)
+
+    scorer = LocalScorer("teacher", plane, TorchReference("tiny", trainer), 2, 30.0, threads=1)
+    try:
+        metrics = await scorer.compute(step)
+    finally:
+        scorer.close()
+
+    assert metrics["teacher/rows"] == 3
+    written = {}
+    async for batch in plane.iter_micro_batches(step, ["teacher_logprobs"], 8, "check"):
+        written.update(zip(batch.ids, batch["teacher_logprobs"], strict=True))
+    # The reverse KL it reports: sampling logprob minus the teacher's, over the sampled tokens.
+    sampled = torch.tensor([-1.0, -2.0, -0.5])
+    gaps = [float((sampled - written[t.id][-3:]).mean()) for t in rows]
+    assert metrics["teacher/reverse_kl"] == pytest.approx(sum(gaps) / 3, abs=1e-5)
+
+    # No reward advantage at all: the actor's step is the teacher's signal alone.
+    ids = [t.id for t in rows]
+    await plane.put_field(step, ids, "reward", [0.0] * 3)
+    await plane.put_field(step, ids, "advantages", [[0.0] * len(t.input_ids) for t in rows])
+    report = await LocalActor(TorchTrainerBackend("tiny", trainer), plane, config).train(step)
+    assert {i for i, _ in report.trained} == set(ids)
+    # With zero advantages the policy loss is exactly 0; the teacher's signal makes it not.
+    assert report.metrics["actor/pg_loss"] != 0
+
+
+async def test_gae_advantages_and_returns_come_from_the_critic_s_values(plane: DataPlane) -> None:
+    rows = [sample(f"g{n}", 0) for n in range(2)] + [sample("gbroken", 0, "engine_error")]
+    step = 13
+    ids = [t.id for t in rows]
+    await plane.put_rollout(step, rows)
+    await plane.put_field(step, ids, "reward", [1.0, 0.0, math.nan])
+    # Values 0.25, 0.5, 0.75 on the three sampled tokens (positions 4..6).
+    values = [[0.0] * 4 + [0.25, 0.5, 0.75] for _ in rows]
+    await plane.put_field(step, ids, "values", values)
+    await plane.close_partition(step)
+
+    critic = CriticConfig(gamma=1.0, lam=1.0)
+    advantage = LocalAdvantage(plane, AdvantageConfig(estimator="gae"), 2, 30.0, critic=critic)
+    await advantage.compute(step)
+
+    written = {}
+    async for batch in plane.iter_micro_batches(step, ["advantages", "returns"], 8, "check"):
+        for i, row_id in enumerate(batch.ids):
+            written[row_id] = (batch["advantages"][i], batch["returns"][i])
+    # gamma = lambda = 1: every sampled token's advantage is the reward minus its value, and
+    # its return is the reward; an infrastructure failure gets zeros.
+    for row_id, reward in ((ids[0], 1.0), (ids[1], 0.0)):
+        adv, ret = written[row_id]
+        torch.testing.assert_close(adv[4:], reward - torch.tensor([0.25, 0.5, 0.75]))
+        torch.testing.assert_close(ret[4:], torch.full((3,), reward))
+        assert not adv[:4].any()
+        assert not ret[:4].any()
+    assert not written[ids[2]][0].any()
+    assert not written[ids[2]][1].any()

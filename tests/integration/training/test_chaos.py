@@ -10,9 +10,11 @@ the start); episodes waiting for a sandbox or on the dead engine resume on the r
 which for an engine has the current weights before it serves (a sample of older weights would
 be refused by the actor and missing from `trained.jsonl`); the reference replica (the run
 trains with a KL penalty scored by the `reference` role) during step 6, whose `ref_logprobs`
-the replacement writes; the actor's replica during step 7:
-only the actor restarts, from its checkpoint of step 6, while the rollout goes on, and steps 6
-and 7 are produced and trained again under the same ids.
+the replacement writes; the actor's replica during step 7, once step 6 is trained (so mostly
+while it waits for step 7's rollout with no request of the controller's under way: the
+replacement must refuse to train until restored): only the actor restarts, from its checkpoint
+of step 6, while the rollout goes on, and steps 6 and 7 are produced and trained again under
+the same ids.
 
 Afterwards: the run completed; every trajectory id of every step was trained exactly once
 (`trained.jsonl`); the store holds every episode once; each kill is a fault on the timeline
@@ -39,6 +41,7 @@ import pytest
 
 from omniloop.platform.control.components import load_tasks
 from omniloop.platform.control.local import step_tasks
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.platform.control.services import replica_pids
 from omniloop.platform.store import Store
@@ -61,10 +64,6 @@ KILLS = {
     "actor": 7,
 }
 """Role -> the step during whose rollout one of its replicas is killed."""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass
@@ -92,6 +91,13 @@ def _api_answers(url: str, deadline: float) -> httpx.Response | None:
     return None
 
 
+def _trained(run_dir: Path, step: int) -> bool:
+    path = run_dir / "trained.jsonl"
+    return path.is_file() and any(
+        json.loads(line)["step"] == step for line in path.read_text().splitlines() if line
+    )
+
+
 def _kill_during_steps(run: ChaosRun, api_url: str, stop: threading.Event) -> None:
     """SIGKILL a replica of each role of `KILLS` once its step has written a few episodes;
     around the api's kill, ask the run's REST API about the run."""
@@ -99,8 +105,12 @@ def _kill_during_steps(run: ChaosRun, api_url: str, stop: threading.Event) -> No
     while pending and not stop.is_set():
         for role, step in list(pending.items()):
             written = run.run_dir / "trajectories" / f"step_{step}.jsonl"
-            if written.is_file() and len(written.read_text().splitlines()) >= 1:
-                pids = replica_pids(role)
+            if (
+                written.is_file()
+                and len(written.read_text().splitlines()) >= 1
+                and (role != "actor" or _trained(run.run_dir, step - 1))
+            ):
+                pids = replica_pids(role, within=os.getpid())
                 if pids:
                     if role == "api":
                         run_id = (run.run_dir / "run_id").read_text().strip()

@@ -5,12 +5,13 @@ trains, the test starts another engine (a process of its own, serving the run's 
 it (`POST /v1/rollout/engines`) during step 1: it is answered only once the engine holds the
 run's current weights and is in rotation, and rollouts send it requests. Once it has served
 some (and not before step 3) it is removed (`DELETE`): it leaves the rotation, then the run;
-it gets no more requests or weights. Beside that, as soon as the run has its own engine, the
-test asks it to launch one more (`{"launch": true}`), answered once that one is in rotation;
-once it has served and received later weights (and not before step 6) it is removed too, and
-its process stops. The run
-completes with every episode trained once and none lost to an engine error. The api role's
-`/metrics` shows each engine's weight updates while it is in the run, and nothing of it after.
+it gets no more requests or weights. Before adding it, the test asks the api role's
+OpenAI-compatible gateway for a completion, sampled by the run's engine. Beside that, as soon
+as the run has its own engine, the test asks it to launch one more (`{"launch": true}`),
+answered once that one is in rotation; once it has served and received later weights (and not
+before step 6) it is removed too, and its process stops. The run completes with every episode
+trained once and none lost to an engine error. The api role's `/metrics` shows each engine's
+weight updates while it is in the run, and nothing of it after.
 
 A run this short can outpace an engine launch on a busy machine, so a gate (`gated_rewards`)
 holds its episodes: from step HOLD_UNTIL_LAUNCHED until the launched engine is in rotation,
@@ -20,7 +21,6 @@ then from step HOLD_UNTIL_REMOVED until both engines have been removed.
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import subprocess
 import sys
@@ -32,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.processes import free_port, stop_process
 
@@ -46,10 +48,6 @@ ADD_AT, REMOVE_AT, REMOVE_LAUNCHED_AT = 1, 3, 6
 HOLD_UNTIL_LAUNCHED, HOLD_UNTIL_REMOVED = 2, 12
 GATED_REWARDS = Path(__file__).with_name("gated_rewards.py")
 TOY_REWARD = f"{Path(__file__).parents[3] / 'examples/toy_tool/agent.py'}:found_the_treasure"
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def generate_requests(log: Path) -> int:
@@ -121,6 +119,20 @@ def _wait_served_and_step(served: Callable[[], float], run_dir: Path, step: int)
         time.sleep(0.05)
 
 
+def _ask_the_gateway(api: str) -> dict[str, Any]:
+    """A completion from the api role's OpenAI-compatible gateway (the official client), and
+    its session as the gateway recorded it."""
+    client = openai.OpenAI(base_url=f"{api}/v1", api_key="no-token", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="toy", messages=[{"role": "user", "content": "Where is the treasure?"}],
+        max_tokens=8, seed=3, timeout=120,
+    )  # fmt: skip
+    completion = raw.parse().model_dump()
+    session = raw.headers["X-Omniloop-Session"]
+    view = httpx.get(f"{api}/v1/sessions/{session}", timeout=30).json()
+    return {"completion": completion, "session": view}
+
+
 def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> None:
     """During step ADD_AT add the engine at `extra`; once it has served, and not before step
     REMOVE_AT, remove it."""
@@ -131,6 +143,8 @@ def _add_then_remove(elastic: ElasticRun, api: str, extra: str, log: Path) -> No
         first = httpx.get(f"{api}/v1/rollout/engines", timeout=30).json()["engines"][0]["url"]
         seen["own"] = first
         seen["run_version_before_add"] = weight_version(first)
+        seen["gateway"] = _ask_the_gateway(api)
+        seen["run_version_after_gateway"] = weight_version(first)
         added = httpx.post(f"{api}/v1/rollout/engines", json={"url": extra}, timeout=300)
         seen["add"] = (added.status_code, added.json())
         seen["version_when_added"] = weight_version(extra)
@@ -278,6 +292,21 @@ def test_the_added_engine_held_the_current_weights_and_was_in_rotation_when_answ
     listed = seen["listed_after_add"]["engines"]
     assert {seen["own"], extra} <= {e["url"] for e in listed}  # (and the launched one, if up)
     assert all(e["in_rotation"] for e in listed)
+
+
+def test_the_api_role_answers_openai_clients_from_the_runs_engines(elastic_run: Any) -> None:
+    elastic, _ = elastic_run
+    assert not elastic.errors_of("add/remove"), elastic.seen
+    seen = elastic.seen
+    completion, view = seen["gateway"]["completion"], seen["gateway"]["session"]
+    (choice,) = completion["choices"]
+    sampled = choice["token_ids"]
+    assert 0 < len(sampled) <= 8
+    # Sampled by the run's engine at the weights it held then.
+    version = completion["omniloop"]["weight_version"]
+    assert seen["run_version_before_add"] <= version <= seen["run_version_after_gateway"]
+    (trajectory,) = view["trajectories"]
+    assert trajectory["input_ids"][-len(sampled) :] == sampled
 
 
 def test_rollouts_sent_the_added_engine_requests_until_it_was_removed(elastic_run: Any) -> None:

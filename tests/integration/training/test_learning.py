@@ -15,13 +15,13 @@ from the same runs' `trained.jsonl` (each trained id with the weight version tha
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.platform.store import Store
 from omniloop.trajectory import Trajectory
@@ -29,10 +29,6 @@ from omniloop.trajectory import Trajectory
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 30
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @dataclass

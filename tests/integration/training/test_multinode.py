@@ -26,6 +26,7 @@ import psutil
 import pytest
 from ray.cluster_utils import Cluster
 
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.services import replica_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -36,10 +37,6 @@ EPISODES = 16
 LOSE_AT_STEP = 2
 HEAD_ROLES = ("actor", "engine", "advantage", "reward")
 """Roles that ask for the head's `head` resource (the trainer, the engine and their peers)."""
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _raylets(pids: list[int]) -> set[int]:
@@ -57,7 +54,7 @@ def _lose_a_node(
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
         if "lost_at" not in seen and written.is_file() and written.read_text().strip():
-            seen["raylets_before"] = _raylets(replica_pids("rollout"))
+            seen["raylets_before"] = _raylets(replica_pids("rollout", within=os.getpid()))
             cluster.remove_node(seen["worker"], allow_graceful=False)
             seen["lost_at"] = time.time()
         if "lost_at" in seen and "added_at" not in seen and time.time() > seen["lost_at"] + 5:

@@ -14,7 +14,6 @@ the roles in this process (the omni run test covers them as services).
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 import pytest
 
 from omniloop.config import load_config
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.platform.control.run_config import RunConfig
 
@@ -29,10 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 OMNI = Path(__file__).resolve().parents[3] / "examples" / "omni"
 STEPS = 30
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session")

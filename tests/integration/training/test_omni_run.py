@@ -13,9 +13,7 @@ files.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -23,6 +21,7 @@ from omniloop.config import load_config
 from omniloop.inference.models import load_tokenizer
 from omniloop.modalities import MediaStore
 from omniloop.modalities.media import MediaPlacement
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.platform.control.run_config import RunConfig
 
@@ -32,10 +31,6 @@ REPO = Path(__file__).resolve().parents[3]
 CONFIG = REPO / "examples" / "omni" / "train.yaml"
 AGENTS = Path(__file__).with_name("omni_agents.py")
 STEPS = 3
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,13 @@ the treasure about one time in eight, and only RL can raise that.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from omniloop.config import load_config
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.platform.control.run_config import RunConfig
 
@@ -26,10 +26,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "openai_agent"
 STEPS = 25
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
@@ -26,6 +25,7 @@ import torch
 
 from omniloop.platform.control.components import load_tasks
 from omniloop.platform.control.local import step_tasks
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.record import checkpoints
 from omniloop.platform.store import Store
 from omniloop.trajectory import trajectory_id
@@ -36,10 +36,6 @@ OMNILOOP = str(Path(sys.executable).parent / "omniloop")
 STEPS = 5
 TASKS_PER_STEP = 2
 SAMPLES = 4
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def kill_session(leader: subprocess.Popen[bytes]) -> None:

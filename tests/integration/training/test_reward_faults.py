@@ -14,13 +14,13 @@ The same run floods the rollout role: one replica runs 4 episodes at once and qu
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from omniloop.config import import_object
+from omniloop.platform.control.metrics import read_jsonl
 from omniloop.platform.control.run import run
 from omniloop.platform.store import Store
 
@@ -29,10 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 6
 REWARDS = Path(__file__).with_name("misbehaving_rewards.py")
 BAD: dict[str, str] = import_object(f"{REWARDS}:BAD")
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +42,7 @@ def reward_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Pat
             "rollout.samples_per_task": 4,
             "checkpoint_every": STEPS,
             "services.mode": "services",
+            "services.api": False,  # the test asks nothing of it; no proxy port to bind
             "services.reward_memory_mb": 768,
             "services.rollout_replicas": 1,
             "services.reward_replicas": 2,

@@ -271,7 +271,7 @@ def test_an_edited_history_starts_a_fresh_segment_and_is_counted() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"top_logprobs": 2}, "top_logprobs is not supported"),
+        ({"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
         ({"tool_choice": "required"}, "tool_choice 'required' is not supported"),
         ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),

@@ -42,9 +42,9 @@ def test_rollout_values_cover_the_rollout_fields_in_row_order() -> None:
 def test_field_spec_needs_a_kind_for_new_fields_and_keeps_registered_ones() -> None:
     assert field_spec("reward").kind == "scalar"
     assert field_spec("reward", "scalar") is FIELDS["reward"]
-    assert field_spec("teacher_logprobs", "tokens").dtype == torch.float32
+    assert field_spec("draft_logprobs", "tokens").dtype == torch.float32
     with pytest.raises(ValueError, match="not one of the known fields"):
-        field_spec("teacher_logprobs")
+        field_spec("draft_logprobs")
     with pytest.raises(ValueError, match="stored as 'tokens'"):
         field_spec("advantages", "scalar")
 

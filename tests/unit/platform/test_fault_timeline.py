@@ -35,3 +35,37 @@ def test_each_fault_is_told_once_as_it_opens_and_keeps_its_id_to_recovery() -> N
 def test_fault_ids_differ() -> None:
     faults = [Fault("actor", "", "x", detected_at=0.0) for _ in range(100)]
     assert len({f.fault_id for f in faults}) == 100
+
+
+def test_the_monitor_follows_launched_engines_from_their_first_healthy_poll() -> None:
+    from omniloop.platform.control.health import HealthMonitor
+
+    timeline = FaultTimeline(settle_s=60.0)
+    monitor = HealthMonitor(
+        {"actor": 1}, timeline, period_s=1.0, max_failed_polls=3, follow={"engine+": 1}
+    )
+    now = time.time()
+
+    def poll(launched: dict[str, tuple[str, int, str]]) -> None:
+        nonlocal now
+        now += 1
+        monitor.observe({"actor": ("HEALTHY", 1, ""), **launched}, now)
+
+    healthy = ("HEALTHY", 1, "")
+    poll({"engine+1": ("DEPLOYING", 0, "starting its engine")})  # being launched: no fault
+    assert timeline.faults == []
+    poll({"engine+1": healthy})
+    poll(
+        {"engine+1": ("UNHEALTHY", 0, "stopped answering\nmore"), "engine+2": ("DEPLOYING", 0, "")}
+    )
+    [down] = timeline.faults
+    assert (down.role, down.cause) == ("engine+1", "0 of 1 replicas running: stopped answering")
+    poll({"engine+1": healthy, "engine+2": healthy})
+    [recovered] = timeline.take_finished()
+    assert recovered is down
+    # One removed while down (a DELETE of a broken engine) leaves no fault open.
+    poll({"engine+1": healthy, "engine+2": ("UNHEALTHY", 0, "gone")})
+    poll({"engine+1": healthy})
+    [removed] = timeline.take_finished()
+    assert removed.role == "engine+2"
+    assert all(f.recovered_at is not None for f in timeline.faults)

@@ -12,8 +12,10 @@ from omniloop.trainer.advantages import (
     gae,
     group_advantages,
     rloo_advantages,
+    row_gae,
     token_advantages,
     whiten,
+    with_teacher,
 )
 
 
@@ -142,3 +144,25 @@ def test_distillation_advantage_is_teacher_minus_student() -> None:
     teacher = torch.tensor([[-7.0, -1.0, -2.0]])
     mask = torch.tensor([[0, 1, 1]])
     close(distillation_advantages(student, teacher, mask), [[0.0, 0.5, -1.0]])
+
+
+def test_the_teacher_s_signal_is_added_to_the_weighted_reward_advantages() -> None:
+    advantages = torch.tensor([0.0, 0.0, 1.0, 1.0])
+    student = torch.tensor([0.0, -1.0, -1.5, -1.0])
+    teacher = torch.tensor([0.0, -9.0, -1.0, -2.0])
+    mask = torch.tensor([0, 0, 1, 1])
+    mixed = with_teacher(advantages, student, teacher, mask, coef=0.5, reward_weight=2.0)
+    close(mixed, [0.0, 0.0, 2.0 + 0.25, 2.0 - 0.5])
+    alone = with_teacher(advantages, student, teacher, mask, coef=1.0, reward_weight=0.0)
+    close(alone, [0.0, 0.0, 0.5, -1.0])
+
+
+def test_row_gae_puts_the_reward_on_the_last_sampled_token() -> None:
+    values = torch.tensor([0.0, 0.0, 0.5, 0.25, 0.0])
+    mask = torch.tensor([0, 0, 1, 1, 0])
+    adv, ret = row_gae(values, 1.0, mask, gamma=1.0, lam=1.0)
+    close(adv, [0.0, 0.0, 0.5, 0.75, 0.0])
+    close(ret, [0.0, 0.0, 1.0, 1.0, 0.0])
+    adv, ret = row_gae(values, 1.0, torch.zeros(5), gamma=1.0, lam=1.0)
+    assert not adv.any()
+    assert not ret.any()
