@@ -16,7 +16,6 @@ import argparse
 import json
 import math
 import random
-import socket
 import statistics
 import tempfile
 import threading
@@ -33,6 +32,7 @@ from sqlalchemy.orm import Session
 from omniloop.platform.api import ApiSettings, create_app
 from omniloop.platform.store import Store
 from omniloop.platform.store.models import EpisodeRow
+from omniloop.processes import free_port
 from omniloop.web import routes
 
 CHROMIUM = "/usr/bin/chromium"
@@ -113,13 +113,6 @@ def seed(store: Store, run_id: str, episodes: int, steps: int) -> None:
         )
     with Session(store.engine) as session, session.begin():
         session.execute(insert(EpisodeRow), rows)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def load_times(url: str, loads: int) -> tuple[float, list[float]]:

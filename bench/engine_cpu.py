@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from omniloop.processes import free_port
+
 QUESTIONS = [
     "What is the capital of France?",
     "Explain photosynthesis in one paragraph.",
@@ -153,15 +155,6 @@ def start_vllm(
         time.sleep(1)
     proc.kill()
     raise RuntimeError(f"vLLM did not answer /health in 600 s; its log: {log.name}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def complete(http: Any, api: str, ids: list[int], new_tokens: int) -> tuple[list[int], int]:

@@ -23,7 +23,6 @@ import json
 import os
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from omniloop.processes import free_port
 from omniloop.sandboxes.base import Sandbox
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
 from omniloop.sandboxes.docker import (
@@ -126,12 +126,6 @@ async def sustained(sandboxes: list[Any]) -> float:
     start = time.monotonic()
     await asyncio.gather(*(loop(s) for s in sandboxes))
     return count / (time.monotonic() - start)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_sandboxd(backend: str) -> tuple[subprocess.Popen[bytes], str]:

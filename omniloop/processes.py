@@ -3,16 +3,44 @@ child that dies with its parent, and a stop that escalates."""
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
+from pathlib import Path
+
+# Below the kernel's ephemeral range (where outgoing connections and `bind(0)` take their
+# ports) and above Ray's worker ports (10002-19999 by default).
+_QUIET_PORTS_FROM = 20000
+# Its own generator: a test that seeds `random` must not make two processes draw alike.
+_draw = random.SystemRandom()
 
 
 def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on loopback that was free a moment ago.
+
+    The port is drawn at random from below the kernel's ephemeral range, so between this call
+    and the caller's own bind no outgoing connection of any process can take it (the kernel's
+    `bind(0)` pick is in that range, where a busy machine hands it to a client socket a moment
+    later). Not a reservation: two callers may still draw the same port, rarely."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _draw.randrange(_QUIET_PORTS_FROM, low) if low > _QUIET_PORTS_FROM + 1000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
+    raise OSError(f"no free TCP port on loopback in {_QUIET_PORTS_FROM}-{low - 1}")
+
+
+def _ephemeral_low() -> int:
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def die_with_parent() -> None:

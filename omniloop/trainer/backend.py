@@ -65,7 +65,22 @@ class TrainerBackend(Protocol):
 
 
 def make_backend(model: str | Path, config: TrainerConfig) -> TrainerBackend:
-    """The trainer of `config` for `model` (anything `resolve_model` accepts)."""
+    """The trainer of `config` for `model` (anything `resolve_model` accepts): in this process,
+    or, with several ranks (`trainer.data_parallel`, megatron's `tensor_parallel`), over rank
+    processes this one drives (`ranks.RankedTrainer`, in the running Ray)."""
+    from omniloop.trainer.ranks import RankedTrainer, world_size
     from omniloop.trainer.torch_backend import TorchTrainerBackend
 
+    if world_size(config) > 1:
+        return RankedTrainer(model, config)
     return TorchTrainerBackend(model, config)
+
+
+@runtime_checkable
+class Supervised(Protocol):
+    """A backend with parts that can fail on their own (rank processes): `check_health`
+    raises once the backend can no longer train; `close` stops those parts."""
+
+    def check_health(self) -> None: ...
+
+    def close(self) -> None: ...

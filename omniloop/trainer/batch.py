@@ -25,6 +25,7 @@ from torch import Tensor
 
 from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.config import AdvantageConfig
+from omniloop.trainer.data_parallel import shard_rows
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory
 
 Values = float | Sequence[float] | Tensor
@@ -308,6 +309,14 @@ class TrainBatch:
             if isinstance(value, Tensor):
                 values[field.name] = value[index][:, :width]
         return self.replace(**values, ids=ids, media_inputs=media)
+
+    def shard(self, rank: int, ranks: int) -> TrainBatch:
+        """The rows data-parallel rank `rank` of `ranks` trains (`data_parallel.shard_rows`:
+        each row in exactly one shard, shards balanced by tokens), trimmed."""
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank {rank} is not one of {ranks} data-parallel ranks")
+        tokens = [int(n) for n in self.attention_mask.sum(-1).tolist()]
+        return self.select(shard_rows(tokens, ranks)[rank])
 
     def split(self, micro_batch_size: int) -> list[TrainBatch]:
         """Consecutive micro-batches of at most `micro_batch_size` rows, each trimmed."""

@@ -117,8 +117,9 @@ class MegatronConfig(StrictModel):
 
     tensor_parallel: int = Field(default=1, ge=1)
     """Ranks that split each layer's weights (megatron-core tensor parallelism). Above 1 the
-    trainer must run as that many processes in one process group, calling it in lock step; a
-    run's actor is one process for now, so runs use 1."""
+    trainer runs as that many processes in one process group, driven in lock step (a run's
+    actor starts them: `trainer/ranks.py`). Checkpoints hold the whole weights and optimizer
+    state, so a run resumes at any tensor-parallel size."""
 
 
 class TrainerConfig(StrictModel):
@@ -142,6 +143,14 @@ class TrainerConfig(StrictModel):
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this value; None disables clipping (the norm is still
     reported). A step whose gradient norm is not finite is skipped."""
+    data_parallel: int = Field(default=1, ge=1)
+    """Data-parallel ranks: above 1 (or with megatron's `tensor_parallel` above 1) the trainer
+    runs as `data_parallel` x `tensor_parallel` rank processes (one Ray actor each) that the
+    actor role drives in lock step (`trainer/ranks.py`). Each data-parallel rank trains its
+    shard of every step's rows (each row by exactly one rank, shards balanced by tokens) and
+    the ranks' gradients are summed before every optimizer step, so N ranks take the step one
+    rank takes on all rows. 1 with tensor_parallel 1: the trainer runs in the actor's own
+    process."""
     micro_batch_size: int = Field(default=4, gt=0)
     """Sequences per forward/backward pass; gradients accumulate over the micro-batches of one
     `train_step`, which makes one optimizer step."""

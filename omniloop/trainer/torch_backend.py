@@ -60,6 +60,7 @@ from omniloop.errors import ConfigError
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
+from omniloop.trainer.data_parallel import Alone, RankGroup
 from omniloop.trainer.losses import entropy_from_logits, rl_loss, token_logprobs
 
 CHECKPOINT_FORMAT = 1
@@ -354,16 +355,29 @@ class PolicyModel(Protocol):
         each tied tensor once."""
         ...
 
-    def save_hf(self, folder: Path) -> None:
-        """Write the weights and the model's config into `folder` (which exists)."""
+    def save_hf(self, folder: Path | None) -> None:
+        """Write the weights and the model's config into `folder` (which exists). Every
+        tensor-parallel rank calls it (the weights are gathered); None: write nothing."""
         ...
 
-    def save_weights(self, file: Path) -> None:
-        """Write every weight of `module` to the safetensors `file` (a checkpoint's)."""
+    def save_weights(self, file: Path | None) -> None:
+        """Write every weight of `module`, whole, to the safetensors `file` (a checkpoint's),
+        loadable at any tensor-parallel size. Every tensor-parallel rank calls it (the weights
+        are gathered); None: write nothing."""
         ...
 
     def load_weights(self, file: Path, device: torch.device) -> None:
-        """Restore `save_weights`' file; ValueError naming what does not fit."""
+        """Restore `save_weights`' file (this rank's part of each weight); ValueError naming
+        what does not fit."""
+        ...
+
+    def whole_tensor(self, name: str, local: Tensor) -> Tensor:
+        """A tensor shaped like this rank's part of parameter `name` (e.g. its optimizer
+        state), made whole: gathered from every tensor-parallel rank, which all call this."""
+        ...
+
+    def local_tensor(self, name: str, whole: Tensor) -> Tensor:
+        """This rank's part of a tensor shaped like the whole parameter `name`."""
         ...
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -392,14 +406,22 @@ class HFPolicy:
             if name in persistent:
                 yield name, buf.detach()
 
-    def save_hf(self, folder: Path) -> None:
+    def save_hf(self, folder: Path | None) -> None:
         """`save_pretrained`: the checkpoint layout transformers writes (for the Omni thinker,
         `visual.…` rather than the in-memory `model.visual.…`), which `from_pretrained` maps
         back."""
-        self.module.save_pretrained(folder)  # type: ignore[operator]
+        if folder is not None:
+            self.module.save_pretrained(folder)  # type: ignore[operator]
 
-    def save_weights(self, file: Path) -> None:
-        safetensors.torch.save_model(self.module, str(file))
+    def save_weights(self, file: Path | None) -> None:
+        if file is not None:
+            safetensors.torch.save_model(self.module, str(file))
+
+    def whole_tensor(self, name: str, local: Tensor) -> Tensor:
+        return local
+
+    def local_tensor(self, name: str, whole: Tensor) -> Tensor:
+        return whole
 
     def load_weights(self, file: Path, device: torch.device) -> None:
         missing, unexpected = safetensors.torch.load_model(
@@ -431,11 +453,19 @@ class TorchTrainerBackend:
     clipping, micro-batching. Rows may carry `media_inputs` for a multimodal Hugging Face model.
 
     `model` is anything `resolve_model` accepts (`tiny`, `tiny-omni`, `smollm2`, a HF folder).
-    Not thread-safe: one caller drives it.
+    `ranks`: the data-parallel group this backend is one rank of (`data_parallel.py`); each rank
+    calls `train_step` with its own rows of the step, in lock step with the others, and every
+    rank's weights stay equal. Not thread-safe: one caller drives it.
     """
 
-    def __init__(self, model: str | Path, config: TrainerConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        config: TrainerConfig | None = None,
+        ranks: RankGroup | None = None,
+    ) -> None:
         self.config = config or TrainerConfig()
+        self.ranks: RankGroup = ranks or Alone()
         self.model_path = resolve_model(str(model))
         self.device = torch.device(self.config.device) if self.config.device else default_device()
         self.policy = load_policy(self.model_path, self.config)
@@ -492,13 +522,20 @@ class TorchTrainerBackend:
         started = time.perf_counter()
         cpu_started = time.thread_time()
         trained_version = self.version
-        total_tokens = float((batch.loss_mask != 0).sum())
+        refusal = self._refusal(batch)
+        # Counts of the whole step, over every data-parallel rank: the loss is normalized by
+        # them, so the ranks' summed gradients are the whole batch's gradient.
+        local = [(batch.loss_mask != 0).sum(), ((batch.loss_mask != 0).sum(-1) > 0).sum()]
+        counts = self.ranks.sum(
+            torch.tensor([*map(float, local), float(len(batch)), float(refusal is not None)])
+        ).tolist()
+        total_tokens, total_seqs, total_rows, refusals = counts
+        if refusal is not None:
+            raise refusal
+        if refusals:
+            raise ValueError("another data-parallel rank refused its rows of the step")
         if total_tokens == 0:
             raise ValueError("the batch has no loss-masked tokens to train on")
-        total_seqs = float(((batch.loss_mask != 0).sum(-1) > 0).sum())
-        if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None and self.reference is None:
-            raise ValueError("loss.kl_coef > 0 with reference='external' needs batch.ref_logprobs")
-        check_media(self.model, batch)
 
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -546,6 +583,9 @@ class TorchTrainerBackend:
                 sums[key] = sums[key] + value if key in sums else value
             del logits, lp, entropy, loss
 
+        if self.ranks.size > 1:
+            self.ranks.sum_gradients([p for p in self.model.parameters() if p.requires_grad])
+            sums = _summed_over(self.ranks, sums)
         max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
         grad_norm = self.policy.clip_grad_norm(max_norm)
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -565,21 +605,44 @@ class TorchTrainerBackend:
                 "actor/lr": lr,
                 "actor/skipped_step": float(skipped),
                 "actor/num_tokens": total_tokens,
-                "actor/num_seqs": float(len(batch)),
+                "actor/num_seqs": total_rows,
                 "actor/version": float(self.version),
                 "perf/step_seconds": elapsed,
                 "perf/step_cpu_seconds": time.thread_time() - cpu_started,
                 "perf/tokens_per_second": float(batch.attention_mask.sum()) / max(elapsed, 1e-9),
             }
         )
+        out.update(self._staleness(batch, trained_version))
+        return out
+
+    def _refusal(self, batch: TrainBatch) -> ValueError | None:
+        """Why this rank cannot train on its rows, if it cannot (told to the other ranks before
+        anything runs, so that none waits for this one in a collective)."""
+        cfg = self.config
+        if cfg.loss.kl_coef > 0 and batch.ref_logprobs is None and self.reference is None:
+            return ValueError("loss.kl_coef > 0 with reference='external' needs batch.ref_logprobs")
+        try:
+            check_media(self.model, batch)
+        except ValueError as refusal:
+            return refusal
+        return None
+
+    def _staleness(self, batch: TrainBatch, trained_version: int) -> dict[str, float]:
+        """Mean and most steps between the trained and the sampling weight version, over the
+        sampled tokens of every rank (DESIGN.md §2: s = v_trainer - v_rollout, per token)."""
+        stale = torch.zeros(0, dtype=torch.long)
         if batch.weight_version is not None:
             sampled = (batch.loss_mask != 0) & (batch.weight_version >= 0)
-            if bool(sampled.any()):
-                # DESIGN.md §2: s = v_trainer - v_rollout, per sampled token.
-                stale = trained_version - batch.weight_version[sampled]
-                out["actor/staleness_mean"] = float(stale.float().mean())
-                out["actor/staleness_max"] = float(stale.max())
-        return out
+            stale = trained_version - batch.weight_version[sampled]
+        local = (float(stale.sum()), int(stale.numel()), int(stale.max()) if stale.numel() else 0)
+        seen = self.ranks.gather(local)
+        tokens = sum(count for _, count, _ in seen)
+        if not tokens:
+            return {}
+        return {
+            "actor/staleness_mean": sum(total for total, _, _ in seen) / tokens,
+            "actor/staleness_max": float(max(most for _, count, most in seen if count)),
+        }
 
     # -- weights and checkpoints ---------------------------------------------------------------
 
@@ -588,11 +651,20 @@ class TorchTrainerBackend:
         (`PolicyModel.hf_weights`), detached, tied tensors once."""
         return self.policy.hf_weights()
 
-    def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
+    def save(
+        self, path: str | Path, data_position: dict[str, Any] | None = None, *, write: bool = True
+    ) -> None:
         """Write a checkpoint folder; it appears complete or not at all (written aside, renamed).
 
-        `data_position` must be JSON-serializable; it comes back from `load` unchanged.
+        `data_position` must be JSON-serializable; it comes back from `load` unchanged. The
+        weights and optimizer state are saved whole (a tensor-parallel policy's are gathered:
+        every tensor-parallel rank calls this, and only the one with `write` writes), so any
+        tensor-parallel size loads them.
         """
+        optimizer = self._optimizer_state(whole=True)
+        if not write:
+            self.policy.save_weights(None)
+            return
         state = json.dumps(
             {
                 "format": CHECKPOINT_FORMAT,
@@ -605,10 +677,7 @@ class TorchTrainerBackend:
         with _atomic_dir(Path(path)) as tmp:
             self.policy.save_weights(tmp / MODEL_FILE)
             torch.save(
-                {
-                    "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(),
-                },
+                {"optimizer": optimizer, "scheduler": self.scheduler.state_dict()},
                 tmp / OPTIMIZER_FILE,
             )
             (tmp / STATE_FILE).write_text(state)
@@ -626,21 +695,53 @@ class TorchTrainerBackend:
             )
         self.policy.load_weights(path / MODEL_FILE, self.device)
         opt = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(opt["optimizer"])
+        self.optimizer.load_state_dict(self._optimizer_state(whole=False, saved=opt["optimizer"]))
         self.scheduler.load_state_dict(opt["scheduler"])
         self.version = int(state["version"])
         data_position: dict[str, Any] = state["data_position"]
         return data_position
 
-    def save_hf(self, path: str | Path) -> None:
+    def save_hf(self, path: str | Path, *, write: bool = True) -> None:
         """Write a HF model folder (safetensors, config, tokenizer) atomically, fp32 weights
-        (`PolicyModel.save_hf`). An engine loads it with `/update_weights_from_disk`."""
+        (`PolicyModel.save_hf`). An engine loads it with `/update_weights_from_disk`. Every
+        tensor-parallel rank calls it; only the one with `write` writes."""
         from transformers import AutoTokenizer
 
+        if not write:
+            self.policy.save_hf(None)
+            return
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         with _atomic_dir(Path(path)) as tmp:
             self.policy.save_hf(tmp)
             tokenizer.save_pretrained(tmp)
+
+    def _optimizer_state(
+        self, *, whole: bool, saved: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """The optimizer's state with every per-parameter tensor whole (`whole`: to save; every
+        tensor-parallel rank calls this) or, from a `saved` whole state, this rank's part."""
+        state = self.optimizer.state_dict() if saved is None else saved
+        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
+        convert = self.policy.whole_tensor if whole else self.policy.local_tensor
+        per_param = {
+            index: {
+                key: convert(names[int(index)], value)
+                if isinstance(value, Tensor) and value.dim() > 0
+                else value
+                for key, value in entry.items()
+            }
+            for index, entry in state["state"].items()
+        }
+        return {**state, "state": per_param}
+
+
+def _summed_over(ranks: RankGroup, sums: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Each metric's sum over the ranks' micro-batches (a rank with no trained token has none)."""
+    totals: dict[str, Tensor] = {}
+    for seen in ranks.gather({key: float(value) for key, value in sums.items()}):
+        for key, value in seen.items():
+            totals[key] = totals.get(key, torch.tensor(0.0)) + value
+    return totals
 
 
 @contextlib.contextmanager

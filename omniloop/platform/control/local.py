@@ -58,7 +58,7 @@ from omniloop.platform.control.writer import EpisodeWriter
 from omniloop.platform.data import MicroBatch
 from omniloop.rewards import RewardFn
 from omniloop.trainer.advantages import row_gae, with_teacher
-from omniloop.trainer.backend import TrainerBackend
+from omniloop.trainer.backend import Supervised, TrainerBackend
 from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
 from omniloop.trainer.config import AdvantageConfig, CriticConfig, TeacherConfig
 from omniloop.trainer.reference import ReferencePolicy
@@ -686,6 +686,11 @@ class LocalActor:
     def version(self) -> int:
         """The weight version: optimizer steps applied so far."""
         return self._backend.version
+
+    def check_health(self) -> None:
+        """Raise if the trainer can no longer train (a rank process of its was lost)."""
+        if isinstance(self._backend, Supervised):
+            self._backend.check_health()
 
     async def train(self, step: int) -> TrainReport:
         """One optimizer step on step `step`'s admitted samples (none: no step is taken)."""

@@ -272,11 +272,13 @@ async def actor_roles(
     from omniloop.platform.data import DataPlane
     from omniloop.platform.dcs import make_weight_sync
     from omniloop.platform.dcs.coordinator import WeightCoordinator
-    from omniloop.trainer.backend import make_backend
+    from omniloop.trainer.backend import Supervised, make_backend
 
     seed_everything(config.seed)
     async with contextlib.AsyncExitStack() as stack:
         backend = await asyncio.to_thread(make_backend, config.model, config.trainer)
+        if isinstance(backend, Supervised):
+            stack.callback(backend.close)
         if data is None:
             data = DataPlane.start()
             stack.callback(data.close)

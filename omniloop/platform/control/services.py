@@ -391,6 +391,7 @@ class ActorServer:
 
     async def check_health(self) -> None:
         _check_data_plane()
+        self._actor.check_health()
 
     async def __del__(self) -> None:
         await self._stack.aclose()

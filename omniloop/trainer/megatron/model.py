@@ -14,12 +14,14 @@ always passed explicitly (megatron's default mask is built on CUDA).
 Tensor parallelism (`tensor_parallel` ranks, no pipeline stages): each rank holds its part of
 every split weight (`convert.shard`); the rows of one batch go through all ranks together, and
 the logits come out whole on each (`parallel_output=False`), so the loss is computed as with
-one rank. The ranks' processes must already form the world (one process group of
-`tensor_parallel` ranks, e.g. gloo on the CPU, NCCL on GPUs) and call every method in lock
-step: `hf_weights` gathers the parts from all ranks. With one rank, a world of one (gloo, over a
-file in a temporary folder) is made unless the process already has one. The gradient norm
-counts each split weight's parts once across ranks and each whole weight once
-(`clip_grad_norm`). Checkpoints (`save_weights`) are of one rank only.
+one rank. The ranks' processes must already form the world (`tensor_parallel` ranks, or that
+times the data-parallel ranks, e.g. gloo on the CPU, NCCL on GPUs; `trainer/ranks.py` starts
+them for a run) and call every method in lock step: `hf_weights` gathers the parts from all
+ranks. With one rank, a world of one (gloo, over a file in a temporary folder) is made unless
+the process already has one. The gradient norm counts each split weight's parts once across
+ranks and each whole weight once (`clip_grad_norm`). Checkpoints (`save_weights`) hold the
+whole weights, gathered, so any tensor-parallel size resumes them (`load_weights` takes this
+rank's part).
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def ensure_model_parallel(tensor_parallel: int = 1) -> None:
             if tensor_parallel != 1:
                 raise ConfigError(
                     f"trainer.megatron.tensor_parallel={tensor_parallel} needs a process per "
-                    "rank, joined in one process group, and this process has none; the run's "
-                    "actor is one process for now: use tensor_parallel=1"
+                    "rank, joined in one process group, and this process has none (a run's "
+                    "actor starts them: `RankedTrainer`)"
                 )
             store = Path(tempfile.mkdtemp(prefix="omniloop-megatron-")) / "store"
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -213,22 +215,35 @@ class MegatronPolicy:
         return to_hf(self._whole_weights(), self.module.shape)
 
     def _whole_weights(self) -> dict[str, Tensor]:
+        return {
+            name: self._gathered(name, part.detach())
+            for name, part in self.module.gpt.named_parameters()
+        }
+
+    def _gathered(self, name: str, part: Tensor) -> Tensor:
+        """The whole of `GPTModel` weight `name` (or a tensor shaped like it) from every
+        tensor-parallel rank's `part`; every rank calls this."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        local = {k: v.detach() for k, v in self.module.gpt.named_parameters()}
-        if self.tensor_parallel == 1:
-            return local
+        if self.tensor_parallel == 1 or split_dim(name) is None:
+            return part
         group = parallel_state.get_tensor_model_parallel_group()
-        whole = {}
-        for name, part in local.items():
-            if split_dim(name) is None:
-                whole[name] = part
-                continue
-            parts = [torch.empty_like(part) for _ in range(self.tensor_parallel)]
-            dist.all_gather(parts, part.contiguous(), group=group)
-            whole[name] = unshard(name, parts)
-        return whole
+        parts = [torch.empty_like(part) for _ in range(self.tensor_parallel)]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return unshard(name, parts)
+
+    def _rank_part(self, name: str, whole: Tensor) -> Tensor:
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_tensor_model_parallel_rank() if self.tensor_parallel > 1 else 0
+        return shard(name, whole, rank, self.tensor_parallel)
+
+    def whole_tensor(self, name: str, local: Tensor) -> Tensor:
+        return self._gathered(name.removeprefix("gpt."), local)
+
+    def local_tensor(self, name: str, whole: Tensor) -> Tensor:
+        return self._rank_part(name.removeprefix("gpt."), whole)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradients so that their global norm is at most `max_norm`; the norm before.
@@ -257,26 +272,26 @@ class MegatronPolicy:
                 param.grad.detach().mul_(scale)  # type: ignore[union-attr]
         return norm
 
-    def save_hf(self, folder: Path) -> None:
+    def save_hf(self, folder: Path | None) -> None:
         """Write the weights (`model.safetensors`) and config into `folder`."""
         import safetensors.torch
 
         weights = {name: t.contiguous() for name, t in self.hf_weights()}
+        if folder is None:
+            return
         safetensors.torch.save_file(weights, str(folder / "model.safetensors"), {"format": "pt"})
         self.hf_config.save_pretrained(folder)
 
-    def save_weights(self, file: Path) -> None:
-        """The parameters under megatron's names (its `_extra_state` entries hold nothing).
-        One rank's: ConfigError with several (their checkpoints are not built yet)."""
+    def save_weights(self, file: Path | None) -> None:
+        """The whole parameters under megatron's names (its `_extra_state` entries hold
+        nothing), gathered from the tensor-parallel ranks: any tensor-parallel size loads them."""
         import safetensors.torch
 
-        if self.tensor_parallel != 1:
-            raise ConfigError(
-                "checkpoints of trainer.backend=megatron with tensor_parallel > 1 are not "
-                "supported yet; checkpoint with tensor_parallel=1"
-            )
-        weights = {name: p.detach().contiguous() for name, p in self.module.named_parameters()}
-        safetensors.torch.save_file(weights, str(file))
+        weights = {
+            f"gpt.{name}": tensor.contiguous() for name, tensor in self._whole_weights().items()
+        }
+        if file is not None:
+            safetensors.torch.save_file(weights, str(file))
 
     def load_weights(self, file: Path, device: torch.device) -> None:
         import safetensors.torch
@@ -288,4 +303,4 @@ class MegatronPolicy:
             raise ValueError(f"{file}: weights do not fit the model: {missing=} {unexpected=}")
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(saved[name])
+                param.copy_(self.local_tensor(name, saved[name]))

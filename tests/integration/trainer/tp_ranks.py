@@ -1,16 +1,18 @@
 """One rank of a tensor-parallel megatron trainer, for `test_megatron_backend.py`.
 
-    python tp_ranks.py RANK WORLD STORE BATCH OUT
+    python tp_ranks.py RANK WORLD STORE BATCH OUT CHECKPOINTS
 
 Joins a gloo world of WORLD processes over the file STORE, builds the megatron backend of the
 tiny model with `tensor_parallel=WORLD`, and on the `TrainBatch` saved in BATCH: scores, takes
-two steps, scores again and gathers the weights. Rank 0 writes what it saw to OUT
-(`torch.save`); the test compares it with one rank's.
+two steps, scores again, gathers the weights and checkpoints them into CHECKPOINTS/tp{WORLD};
+then loads the one-rank checkpoint CHECKPOINTS/tp1 and gathers the weights again. Rank 0
+writes what it saw to OUT (`torch.save`); the test compares it with one rank's.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
@@ -21,7 +23,9 @@ from omniloop.trainer.torch_backend import TorchTrainerBackend
 CONFIG = {"device": "cpu", "backend": "megatron", "lr": 1e-3, "micro_batch_size": 2}
 
 
-def run(tensor_parallel: int, data: TrainBatch) -> dict[str, object]:
+def run(
+    tensor_parallel: int, data: TrainBatch, checkpoints: Path, rank: int = 0
+) -> dict[str, object]:
     """What a rank sees of `data` (module docstring)."""
     config = TrainerConfig.model_validate(
         {**CONFIG, "megatron": {"tensor_parallel": tensor_parallel}}
@@ -29,23 +33,29 @@ def run(tensor_parallel: int, data: TrainBatch) -> dict[str, object]:
     trainer = TorchTrainerBackend("tiny", config)
     before = trainer.logprobs(data)
     metrics = [trainer.train_step(data) for _ in range(2)]
-    return {
+    seen = {
         "before": before,
         "after": trainer.logprobs(data),
         "grad_norms": [m["actor/grad_norm"] for m in metrics],
-        "weights": dict(trainer.named_weights()),
+        # Copies: a weight that is not split is the parameter itself, which `load` overwrites.
+        "weights": {name: tensor.clone() for name, tensor in trainer.named_weights()},
     }
+    trainer.save(checkpoints / f"tp{tensor_parallel}", {"step": 2}, write=rank == 0)
+    if tensor_parallel > 1:
+        trainer.load(checkpoints / "tp1")
+        seen["loaded"] = dict(trainer.named_weights())
+    return seen
 
 
 if __name__ == "__main__":
     import torch.distributed as dist
 
-    rank, world, store, batch, out = sys.argv[1:6]
+    rank, world, store, batch, out, checkpoints = sys.argv[1:7]
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world)
     )
-    seen = run(int(world), torch.load(batch, weights_only=False))
+    seen = run(int(world), torch.load(batch, weights_only=False), Path(checkpoints), int(rank))
     if rank == "0":
         torch.save(seen, out)
     dist.destroy_process_group()

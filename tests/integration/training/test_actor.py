@@ -14,12 +14,14 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+import ray
 import torch
 
 from omniloop.platform.control.local import LocalActor, LocalAdvantage, LocalScorer
 from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.data import DataPlane, DataPlaneConfig
+from omniloop.trainer.backend import TrainerBackend, make_backend
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import (
     AdvantageConfig,
@@ -28,6 +30,7 @@ from omniloop.trainer.config import (
     TeacherConfig,
     TrainerConfig,
 )
+from omniloop.trainer.ranks import RankedTrainer, RanksLost
 from omniloop.trainer.reference import TorchReference
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trajectory import StopReason, Trajectory, TrajectoryBuilder, TrajectoryMeta
@@ -203,3 +206,65 @@ async def test_gae_advantages_and_returns_come_from_the_critic_s_values(plane: D
         assert not ret[:4].any()
     assert not written[ids[2]][0].any()
     assert not written[ids[2]][1].any()
+
+
+async def _one_step(plane: DataPlane, step: int, config: RunConfig, backend: TrainerBackend):
+    rows = [sample(f"dp{step}-{n}", 0, prompt=tuple(range(1, n + 3))) for n in range(5)]
+    ids = [t.id for t in rows]
+    await plane.put_rollout(step, rows)
+    await plane.put_field(step, ids, "reward", [1.0] * len(rows))
+    signs = [1.0, -1.0, 0.5, -0.5, 0.8]
+    advantages = [
+        [0.0] * (len(t.input_ids) - 3) + [s] * 3 for t, s in zip(rows, signs, strict=True)
+    ]
+    await plane.put_field(step, ids, "advantages", advantages)
+    await plane.close_partition(step)
+    return ids, await LocalActor(backend, plane, config).train(step)
+
+
+async def test_the_actor_s_data_parallel_ranks_train_each_row_once_as_one_rank(
+    plane: DataPlane, tmp_path
+) -> None:
+    """Two rank processes (`RankedTrainer`) under the actor: the rows of a step split between
+    them, every row once; the weights after the step are one rank's given every row; a
+    checkpoint of the ranks loads into one rank; a rank that dies ends the group, by name."""
+    ranked = TrainerConfig(device="cpu", lr=1e-3, micro_batch_size=2, data_parallel=2)
+    config = RunConfig(
+        model="tiny",
+        rollout=RolloutConfig(tasks="unused.jsonl", agent="unused.py:agent", samples_per_task=2),
+        trainer=ranked,
+    )
+    backend = make_backend("tiny", ranked)
+    assert isinstance(backend, RankedTrainer)
+    try:
+        ids, report = await _one_step(plane, 20, config, backend)
+        alone = TorchTrainerBackend("tiny", ranked.model_copy(update={"data_parallel": 1}))
+        _, expected = await _one_step(plane, 21, config, alone)
+
+        assert {i for i, _ in report.trained} == set(ids)
+        trained = [row for shard in backend.shards for row in shard]
+        assert sorted(trained) == sorted(ids)
+        assert all(backend.shards)
+        assert report.metrics["actor/num_seqs"] == 5
+        assert report.metrics["actor/data_parallel_rows_max"] == 3
+        assert report.metrics["actor/grad_norm"] == pytest.approx(
+            expected.metrics["actor/grad_norm"], rel=1e-5
+        )
+        assert backend.version == alone.version == 1
+        mine = dict(backend.named_weights())
+        for name, weight in alone.named_weights():
+            torch.testing.assert_close(mine[name], weight, atol=5e-5, rtol=0, msg=name)
+
+        backend.save(tmp_path / "ckpt", {"step": 3})
+        restored = TorchTrainerBackend("tiny", ranked.model_copy(update={"data_parallel": 1}))
+        assert restored.load(tmp_path / "ckpt") == {"step": 3}
+        for name, weight in restored.named_weights():
+            torch.testing.assert_close(mine[name], weight, atol=0, rtol=0, msg=name)
+
+        ray.kill(backend._workers[1])
+        with pytest.raises(RanksLost, match="a trainer rank failed"):
+            dict(backend.named_weights())
+        with pytest.raises(RanksLost):
+            backend.check_health()
+    finally:
+        backend.close()

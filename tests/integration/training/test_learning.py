@@ -3,9 +3,9 @@
 One real run per staleness setting (on-policy, and rollouts up to two steps ahead), the first
 with the roles in this process, the second through the role services (the trainer's learning is
 the same code either way; each mode is seen learning once), and a third with megatron-core's
-`GPTModel` as the policy (`trainer.backend=megatron`, one step ahead, services): the CPU engine
-serves the
-warm-started tiny model over HTTP, every tool call runs in a bwrap sandbox,
+`GPTModel` as the policy (`trainer.backend=megatron`, one step ahead, services) trained by two
+data-parallel rank processes under the actor (`trainer.data_parallel=2`): the CPU engine serves
+the warm-started tiny model over HTTP, every tool call runs in a bwrap sandbox,
 trajectories travel through TransferQueue, the torch trainer takes one optimizer step per
 rollout step and the engine loads its weights after each. The warm-started policy picks the
 treasure's direction 1 time in 8; only RL can raise that. The staleness properties are read
@@ -59,6 +59,7 @@ def toy_run(
             "checkpoint_every": STEPS,
             "services.mode": mode,
             "trainer.backend": backend,
+            "trainer.data_parallel": 2 if backend == "megatron" else 1,
         },
     )
     asyncio.run(run(config))
@@ -131,6 +132,9 @@ def test_metrics_report_reward_kl_entropy_staleness_and_throughput(toy_run: ToyR
         assert metrics["perf/tokens_per_second"] > 0
     trajectories = sorted((toy_run.run_dir / "trajectories").glob("step_*.jsonl"))
     assert len(trajectories) == STEPS
+    if toy_run.backend == "megatron":  # two ranks, each training its share of every step
+        for metrics in toy_run.metrics:
+            assert metrics["actor/data_parallel_rows_max"] < metrics["actor/num_seqs"]
 
 
 def test_the_run_its_metrics_and_its_episodes_are_in_the_database(toy_run: ToyRun) -> None:
