@@ -222,13 +222,24 @@ async def _one_step(plane: DataPlane, step: int, config: RunConfig, backend: Tra
     return ids, await LocalActor(backend, plane, config).train(step)
 
 
-async def test_the_actor_s_data_parallel_ranks_train_each_row_once_as_one_rank(
-    plane: DataPlane, tmp_path
+@pytest.mark.parametrize(
+    ("first_step", "ranks", "rows_max"),
+    [
+        (20, {"data_parallel": 2}, 3),
+        (30, {"backend": "megatron", "megatron": {"tensor_parallel": 2}}, 5),
+    ],
+    ids=["torch-data-parallel-2", "megatron-tensor-parallel-2"],
+)
+async def test_the_actor_s_ranks_train_each_row_once_as_one_rank(
+    plane: DataPlane, tmp_path, first_step: int, ranks: dict[str, object], rows_max: int
 ) -> None:
-    """Two rank processes (`RankedTrainer`) under the actor: the rows of a step split between
-    them, every row once; the weights after the step are one rank's given every row; a
-    checkpoint of the ranks loads into one rank; a rank that dies ends the group, by name."""
-    ranked = TrainerConfig(device="cpu", lr=1e-3, micro_batch_size=2, data_parallel=2)
+    """Two rank processes (`RankedTrainer`) under the actor: two data-parallel ranks split the
+    rows of a step, every row once (two tensor-parallel ranks share them); the weights after
+    the step are one rank's given every row; a checkpoint of the ranks loads into one rank; a
+    rank that dies ends the group, by name."""
+    single = {"device": "cpu", "lr": 1e-3, "micro_batch_size": 2}
+    ranked = TrainerConfig.model_validate({**single, **ranks})
+    one_rank = TrainerConfig.model_validate({**single, "backend": ranked.backend})
     config = RunConfig(
         model="tiny",
         rollout=RolloutConfig(tasks="unused.jsonl", agent="unused.py:agent", samples_per_task=2),
@@ -237,16 +248,16 @@ async def test_the_actor_s_data_parallel_ranks_train_each_row_once_as_one_rank(
     backend = make_backend("tiny", ranked)
     assert isinstance(backend, RankedTrainer)
     try:
-        ids, report = await _one_step(plane, 20, config, backend)
-        alone = TorchTrainerBackend("tiny", ranked.model_copy(update={"data_parallel": 1}))
-        _, expected = await _one_step(plane, 21, config, alone)
+        ids, report = await _one_step(plane, first_step, config, backend)
+        alone = TorchTrainerBackend("tiny", one_rank)
+        _, expected = await _one_step(plane, first_step + 1, config, alone)
 
         assert {i for i, _ in report.trained} == set(ids)
         trained = [row for shard in backend.shards for row in shard]
         assert sorted(trained) == sorted(ids)
         assert all(backend.shards)
         assert report.metrics["actor/num_seqs"] == 5
-        assert report.metrics["actor/data_parallel_rows_max"] == 3
+        assert report.metrics["actor/data_parallel_rows_max"] == rows_max
         assert report.metrics["actor/grad_norm"] == pytest.approx(
             expected.metrics["actor/grad_norm"], rel=1e-5
         )
@@ -256,7 +267,7 @@ async def test_the_actor_s_data_parallel_ranks_train_each_row_once_as_one_rank(
             torch.testing.assert_close(mine[name], weight, atol=5e-5, rtol=0, msg=name)
 
         backend.save(tmp_path / "ckpt", {"step": 3})
-        restored = TorchTrainerBackend("tiny", ranked.model_copy(update={"data_parallel": 1}))
+        restored = TorchTrainerBackend("tiny", one_rank)
         assert restored.load(tmp_path / "ckpt") == {"step": 3}
         for name, weight in restored.named_weights():
             torch.testing.assert_close(mine[name], weight, atol=0, rtol=0, msg=name)
