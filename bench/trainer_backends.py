@@ -7,8 +7,9 @@ peak resident memory is its own: one warm-up step, then the median of `--steps` 
 `train_step`s. The backends alternate (torch, megatron, torch, megatron) and each one's time is
 the median of its rounds, so a change in the machine's load between them shows in both.
 
-`megatron_tp2_step_s` is null: the megatron backend runs one rank (tensor parallelism is not
-built yet).
+`megatron_tp2_step_s`: megatron with two tensor-parallel ranks, as a run's actor drives them
+(`RankedTrainer`: two rank processes over gloo, one thread each, under a local Ray); its peak
+memory is not reported (it is spread over the rank processes).
 
 Prints ONE JSON line: `torch_step_s`, `megatron_tp1_step_s`, `megatron_tp2_step_s`,
 `megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb`.
@@ -49,10 +50,19 @@ def one(backend: str, model: str, steps: int) -> dict[str, float]:
         rollout_logprobs=torch.zeros(rows, length),
         advantages=torch.linspace(-1, 1, rows)[:, None] * loss_mask,
     )
-    config = TrainerConfig.model_validate(
-        {"backend": backend, "lr": 1e-5, "micro_batch_size": rows, "device": "cpu"}
-    )
-    trainer = TorchTrainerBackend(model, config)
+    settings: dict[str, object] = {"lr": 1e-5, "micro_batch_size": rows, "device": "cpu"}
+    if backend == "megatron_tp2":
+        import ray
+
+        from omniloop.trainer.backend import make_backend
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        settings |= {"backend": "megatron", "megatron": {"tensor_parallel": 2}}
+        config = TrainerConfig.model_validate(settings)
+        trainer = make_backend(model, config)
+    else:
+        config = TrainerConfig.model_validate({**settings, "backend": backend})
+        trainer = TorchTrainerBackend(model, config)
     trainer.train_step(batch)
     times = []
     for _ in range(steps):
@@ -80,7 +90,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.model, args.steps)))
         return
-    results: dict[str, list[dict[str, float]]] = {"torch": [], "megatron": []}
+    results: dict[str, list[dict[str, float]]] = {"torch": [], "megatron": [], "megatron_tp2": []}
     for _ in range(args.rounds):
         for backend in results:
             results[backend].append(run_one(backend, args.model, args.steps))
@@ -93,7 +103,7 @@ def main() -> None:
                 "model": args.model,
                 "torch_step_s": round(step["torch"], 3),
                 "megatron_tp1_step_s": round(step["megatron"], 3),
-                "megatron_tp2_step_s": None,
+                "megatron_tp2_step_s": round(step["megatron_tp2"], 3),
                 "megatron_over_torch": round(step["megatron"] / step["torch"], 3),
                 "torch_peak_gb": round(peak["torch"], 2),
                 "megatron_peak_gb": round(peak["megatron"], 2),

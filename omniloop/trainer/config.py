@@ -120,6 +120,11 @@ class MegatronConfig(StrictModel):
     trainer runs as that many processes in one process group, driven in lock step (a run's
     actor starts them: `trainer/ranks.py`). Checkpoints hold the whole weights and optimizer
     state, so a run resumes at any tensor-parallel size."""
+    pack_sequences: bool = True
+    """Pack each micro-batch's rows into as few rows of its width as fit (first-fit
+    decreasing), each token attending only within its own row (`trainer/megatron/packing.py`):
+    a short row's padding is filled by other rows instead of computed. Logprobs are a row's
+    own either way."""
 
 
 class TrainerConfig(StrictModel):

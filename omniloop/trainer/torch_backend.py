@@ -444,6 +444,7 @@ def load_policy(path: Path, config: TrainerConfig) -> PolicyModel:
             path,
             gradient_checkpointing=config.gradient_checkpointing,
             tensor_parallel=config.megatron.tensor_parallel,
+            pack_sequences=config.megatron.pack_sequences,
         )
     return HFPolicy(path, gradient_checkpointing=config.gradient_checkpointing)
 

@@ -50,6 +50,7 @@ from omniloop.trainer.megatron.convert import (
     transformer_config,
     unshard,
 )
+from omniloop.trainer.megatron.packing import pack_rows
 
 _group_lock = threading.Lock()
 
@@ -92,10 +93,12 @@ def ensure_model_parallel(tensor_parallel: int = 1) -> None:
 class MegatronCausalLM(nn.Module):
     """`GPTModel` called as a Hugging Face causal LM is (module docstring)."""
 
-    def __init__(self, gpt: nn.Module, shape: GPTShape) -> None:
+    def __init__(self, gpt: nn.Module, shape: GPTShape, *, pack: bool = False) -> None:
+        """`pack`: run the rows of a batch packed (`packing.py`), given its attention mask."""
         super().__init__()
         self.gpt: Any = gpt  # megatron-core is untyped
         self.shape = shape
+        self.pack = pack
 
     def forward(
         self,
@@ -109,6 +112,10 @@ class MegatronCausalLM(nn.Module):
                 f"trainer.backend=megatron trains text models; these rows carry media inputs "
                 f"({', '.join(sorted(media))}): use trainer.backend=torch"
             )
+        if self.pack and attention_mask is not None:
+            packing = pack_rows(input_ids, attention_mask)
+            packed = self.gpt(packing.input_ids, packing.positions, packing.mask)
+            return CausalLMOutput(logits=packing.unpack(packed))
         logits: Tensor = self.gpt(*_positions_and_mask(input_ids))
         return CausalLMOutput(logits=logits)
 
@@ -122,7 +129,12 @@ class MegatronCausalLM(nn.Module):
         # instead of running its output layer: the same forward up to the logits.
         self.gpt.post_process = False
         try:
-            hidden: Tensor = self.gpt(*_positions_and_mask(input_ids))  # (T, B, H)
+            if self.pack:
+                packing = pack_rows(input_ids, attention_mask)
+                hidden: Tensor = self.gpt(packing.input_ids, packing.positions, packing.mask)
+                rows, positions = packing.at(rows, positions)
+            else:
+                hidden = self.gpt(*_positions_and_mask(input_ids))  # (T, B, H)
         finally:
             self.gpt.post_process = True
         picked = hidden[positions, rows][:, None, :]  # (N, 1, H): N sequences of one token
@@ -149,10 +161,15 @@ class MegatronPolicy:
 
     @classmethod
     def load(
-        cls, path: Path, *, gradient_checkpointing: bool = False, tensor_parallel: int = 1
+        cls,
+        path: Path,
+        *,
+        gradient_checkpointing: bool = False,
+        tensor_parallel: int = 1,
+        pack_sequences: bool = False,
     ) -> MegatronPolicy:
         """Build the `GPTModel` of the Hugging Face folder `path` and load this rank's part of
-        its weights.
+        its weights. `pack_sequences`: run batches packed (`packing.py`).
 
         `gradient_checkpointing`: megatron's full recompute, one layer at a time (it saves and
         restores CUDA RNG states, so it needs a GPU)."""
@@ -207,7 +224,8 @@ class MegatronPolicy:
         missing = [k for k in missing if not k.endswith("._extra_state")]
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not fit the GPTModel: {missing=} {unexpected=}")
-        return cls(MegatronCausalLM(gpt, shape).eval(), hf_config, tensor_parallel)
+        module = MegatronCausalLM(gpt, shape, pack=pack_sequences)
+        return cls(module.eval(), hf_config, tensor_parallel)
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
         """The whole weights under Hugging Face names, detached (each tied tensor once),

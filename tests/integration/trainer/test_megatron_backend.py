@@ -27,6 +27,7 @@ from omniloop.inference.models import resolve_model
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.megatron.convert import gpt_shape, to_hf, to_megatron
 from omniloop.trainer.megatron.model import MegatronPolicy
+from omniloop.trainer.megatron.packing import pack_rows
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 
 EXACT = 1e-5
@@ -97,6 +98,24 @@ def test_a_step_moves_the_weights_as_the_torch_backends_step(make_batch) -> None
     for name, weight in torch_backend.named_weights():
         torch.testing.assert_close(after[name], weight, atol=STEPPED, rtol=0, msg=name)
     assert (torch_backend.logprobs(batch) - megatron.logprobs(batch)).abs().max() < EXACT
+
+
+def test_packed_rows_score_and_train_as_padded_rows(make_batch) -> None:
+    """Rows of very different lengths, packed into fewer rows (`pack_sequences`, the
+    default): the logprobs and the steps of the padded batch."""
+    batch = make_batch([17, 5, 9, 3, 12, 4], advantages=[1.0, -0.4, 0.8, -1.0, 0.3, 0.6], seed=5)
+    first = batch.split(4)[0]
+    assert pack_rows(first.input_ids, first.attention_mask).input_ids.shape[0] == 2
+    packed = trainer("tiny", "megatron", micro_batch_size=4)
+    padded = trainer("tiny", "megatron", micro_batch_size=4, megatron={"pack_sequences": False})
+    assert (packed.logprobs(batch) - padded.logprobs(batch)).abs().max() < EXACT
+    for _ in range(2):
+        a, b = packed.train_step(batch), padded.train_step(batch)
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-5)
+        assert a["actor/loss"] == pytest.approx(b["actor/loss"], abs=1e-6)
+    after = dict(packed.named_weights())
+    for name, weight in padded.named_weights():
+        torch.testing.assert_close(after[name], weight, atol=STEPPED, rtol=0, msg=name)
 
 
 def test_the_engine_serves_the_exported_weights_with_the_trainers_greedy_tokens(
