@@ -24,6 +24,7 @@ the same path: several hosts need a shared run folder.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -124,12 +125,6 @@ class RankWorker:
     def version(self) -> int:
         return self.backend.version
 
-    def stop(self) -> None:
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def world_size(config: TrainerConfig) -> int:
     """Ranks of the trainer of `config`: data-parallel × tensor-parallel."""
@@ -139,7 +134,9 @@ def world_size(config: TrainerConfig) -> int:
 
 class RankedTrainer:
     """A `TrainerBackend` over `world_size(config)` rank processes (module docstring). Needs Ray
-    (the run's). Not thread-safe: one caller drives it."""
+    (the run's). Its calls may come from several threads (the actor's training thread, its
+    weight publisher): each runs whole before the next starts, so that every rank sees the
+    calls in the same order (the ranks' collectives pair up only that way)."""
 
     def __init__(self, model: str | Path, config: TrainerConfig) -> None:
         import ray
@@ -154,14 +151,19 @@ class RankedTrainer:
         # on GPUs each rank holds one.
         worker = ray.remote(num_cpus=0, num_gpus=1 if cuda else 0)(RankWorker)
         payload = config.model_dump(mode="json")
+        self._calls = threading.Lock()
+        self._lost: str | None = None
         self._workers: list[Any] = [
             worker.remote(str(model), payload, threads) for _ in range(world)
         ]
-        self._lost: str | None = None
-        address = self._get([self._workers[0].rendezvous.remote()])[0]
-        placed = self._get(
-            [w.start.remote(address, rank, world) for rank, w in enumerate(self._workers)]
-        )
+        try:
+            address = self._get([self._workers[0].rendezvous.remote()])[0]
+            placed = self._get(
+                [w.start.remote(address, rank, world) for rank, w in enumerate(self._workers)]
+            )
+        except BaseException:
+            self.close()
+            raise
         self._data_rank = [rank for rank, _ in placed]
         self.data_parallel = placed[0][1]
         self.version = 0
@@ -171,17 +173,16 @@ class RankedTrainer:
     # -- the TrainerBackend protocol -----------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step of every rank, each on its shard of `batch`; rank 0's metrics
-        (the step's, summed over the ranks) and `actor/data_parallel_rows_max` (the most rows
-        one rank trained)."""
+        """One optimizer step of every rank, each on its shard of `batch` (a shard may be
+        empty: its ranks still take part in the step); rank 0's metrics (the step's, summed
+        over the ranks) and `actor/data_parallel_rows_max` (the most rows one rank trained)."""
         import ray
 
         shards = [batch.select(rows) for rows in self._rows(batch)]
-        refs = [ray.put(shard) for shard in shards]
-        metrics: list[dict[str, float]] = self._get(
-            [w.train_step.remote(refs[d]) for w, d in self._placed()]
-        )
-        self.version = int(self._get([self._workers[0].version.remote()])[0])
+        with self._calls:
+            refs = [ray.put(shard) for shard in shards]
+            metrics = self._get([w.train_step.remote(refs[d]) for w, d in self._placed()])
+            self.version = int(self._get([self._workers[0].version.remote()])[0])
         self.shards = [shard.ids for shard in shards]
         out = dict(metrics[0])
         out["actor/data_parallel_rows_max"] = float(max(len(shard) for shard in shards))
@@ -192,34 +193,36 @@ class RankedTrainer:
         import ray
 
         rows = self._rows(batch)
-        shards = [batch.select(r) for r in rows]
-        refs = [ray.put(shard) for shard in shards]
-        scored = self._get([w.logprobs.remote(refs[d]) for w, d in self._placed()])
+        # The ranks of a data-parallel rank with no rows have nothing to score together.
+        placed = [(w, d) for w, d in self._placed() if rows[d]]
+        with self._calls:
+            refs = {d: ray.put(batch.select(rows[d])) for _, d in placed}
+            scored = self._get([w.logprobs.remote(refs[d]) for w, d in placed])
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
-        done: set[int] = set()
-        for data_rank, shard_scores in zip(self._data_rank, scored, strict=True):
-            if data_rank in done:
-                continue
-            done.add(data_rank)
+        for (_, data_rank), shard_scores in zip(placed, scored, strict=True):
             for i, row in enumerate(rows[data_rank]):
                 out[row, : shard_scores.shape[1]] = shard_scores[i]
         return out
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Rank 0's weights (every rank's are equal), gathered from tensor-parallel ranks."""
-        whole = self._get([w.weights.remote() for w in self._workers])[0]
+        with self._calls:
+            whole = self._get([w.weights.remote() for w in self._workers])[0]
         return iter(whole.items())
 
     def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
-        self._get([w.save.remote(str(path), data_position) for w in self._workers])
+        with self._calls:
+            self._get([w.save.remote(str(path), data_position) for w in self._workers])
 
     def load(self, path: str | Path) -> dict[str, Any]:
-        positions = self._get([w.load.remote(str(path)) for w in self._workers])
-        self.version = int(self._get([self._workers[0].version.remote()])[0])
+        with self._calls:
+            positions = self._get([w.load.remote(str(path)) for w in self._workers])
+            self.version = int(self._get([self._workers[0].version.remote()])[0])
         return dict(positions[0])
 
     def save_hf(self, path: str | Path) -> None:
-        self._get([w.save_hf.remote(str(path)) for w in self._workers])
+        with self._calls:
+            self._get([w.save_hf.remote(str(path)) for w in self._workers])
 
     # -- health --------------------------------------------------------------------------------
 
@@ -267,8 +270,6 @@ class RankedTrainer:
             try:
                 ray.get(done[0])
             except RayTaskError as error:
-                if isinstance(error, RayActorError):
-                    self._end(error)
                 failures.append(error)
             except RayActorError as error:
                 self._end(error)

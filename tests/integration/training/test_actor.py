@@ -266,6 +266,13 @@ async def test_the_actor_s_ranks_train_each_row_once_as_one_rank(
         for name, weight in alone.named_weights():
             torch.testing.assert_close(mine[name], weight, atol=5e-5, rtol=0, msg=name)
 
+        rows = [sample(f"score{n}", 0, prompt=tuple(range(1, n + 2))) for n in (1, 7, 3)]
+        for scored in (rows, rows[:1]):  # with one row, a data-parallel rank has none to score
+            batch = TrainBatch.from_trajectories(scored, None)
+            torch.testing.assert_close(
+                backend.logprobs(batch), alone.logprobs(batch), atol=1e-5, rtol=0
+            )
+
         backend.save(tmp_path / "ckpt", {"step": 3})
         restored = TorchTrainerBackend("tiny", one_rank)
         assert restored.load(tmp_path / "ckpt") == {"step": 3}
