@@ -205,10 +205,12 @@ class RankedTrainer:
         return out
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """Rank 0's weights (every rank's are equal), gathered from tensor-parallel ranks."""
+        """Rank 0's weights (every rank's are equal), gathered from tensor-parallel ranks, when
+        the iteration starts (a publisher that iterates in a thread waits there, not in its
+        event loop)."""
         with self._calls:
             whole = self._get([w.weights.remote() for w in self._workers])[0]
-        return iter(whole.items())
+        yield from whole.items()
 
     def save(self, path: str | Path, data_position: dict[str, Any] | None = None) -> None:
         with self._calls:
