@@ -14,11 +14,13 @@ rank its shard through Ray's object store; the ranks do not read the data plane 
 hands rows to a consumer, not by id, and the role admits rows by staleness before any rank sees
 them).
 
-Failure: a rank that dies or raises ends the group: the other ranks are killed (a collective
-would wait for the dead one forever), the call raises `RanksLost`, and `check_health` fails from
-then on, so that the actor role's replica is replaced and restored from its checkpoint.
-Checkpoints are written by rank 0 (every rank holds the same state) and read by every rank from
-the same path: several hosts need a shared run folder.
+Failure: a rank that dies, or an error that only some ranks raise, ends the group: the other
+ranks are killed (a collective would wait for the failed one), the call raises `RanksLost`, and
+`check_health` fails from then on, so that the actor role's replica is replaced and restored
+from its checkpoint. An error every rank raises alike (input refused before any collective) is
+raised as it is, and the group goes on. Checkpoints are written by rank 0 (every rank holds the
+same state; tensor-parallel parts are gathered to it) and read by every rank from the same
+path: several hosts need a shared run folder.
 """
 
 from __future__ import annotations
