@@ -218,7 +218,10 @@ async def test_processor_output_dicts_give_what_the_files_give(
     response = await omni_http.post("/generate", json=batch)
     assert response.status_code == 200, response.text
     first = response.json()[0]["meta_info"]["output_token_logprobs"]
-    assert ([t for _, t, _ in first], [lp for lp, _, _ in first]) == files
+    # Batched with another prompt: the same tokens, logprobs within the engine's batching
+    # rounding (`test_requests_batched_together_get_what_each_gets_alone`).
+    assert [t for _, t, _ in first] == files[0]
+    assert [lp for lp, _, _ in first] == pytest.approx(files[1], abs=1e-5)
     params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7)
     media = [MediaData(kind=k, data=d) for k, d in p.media]
     encoder = ProcessorOutputFields(omni.processor)

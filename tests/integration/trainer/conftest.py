@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -62,3 +64,20 @@ def make_batch() -> BatchFactory:
         )
 
     return build
+
+
+@pytest.fixture(scope="session")
+def rank_script() -> Callable[[str], tuple[Path, ModuleType]]:
+    """`rank_script("tp_ranks")`: a rank script of this folder (run as one process per rank),
+    its path and the script imported (to run one rank in the test's own process)."""
+
+    def load(name: str) -> tuple[Path, ModuleType]:
+        script = Path(__file__).with_name(f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, script)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return script, module
+
+    return load

@@ -4,7 +4,6 @@ by exactly one rank."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -39,29 +38,19 @@ def test_a_rank_outside_the_group_is_refused(make_batch) -> None:
         make_batch([5, 6]).shard(2, 2)
 
 
-def _ranks_module():
-    script = Path(__file__).with_name("dp_ranks.py")
-    spec = importlib.util.spec_from_file_location("dp_ranks", script)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return script, module
-
-
 @pytest.mark.parametrize(
     ("backend", "rows"),
     [("torch", [13, 9, 17, 6, 11]), ("megatron", [13, 9, 17, 6, 11]), ("torch", [13])],
     ids=["torch", "megatron", "torch-one-row"],
 )
 def test_two_data_parallel_ranks_train_as_one_rank_given_every_row(
-    tmp_path: Path, make_batch, backend: str, rows: list[int]
+    tmp_path: Path, make_batch, rank_script, backend: str, rows: list[int]
 ) -> None:
     """(With one row, the second rank has none and still takes its part in the step.)"""
     batch = make_batch(rows, advantages=[1.0, -0.7, 0.4, -0.2, 0.9][: len(rows)], seed=7)
     batch = batch.replace(ids=tuple(f"row-{i}" for i in range(len(rows))))
     torch.save(batch, tmp_path / "batch.pt")
-    script, ranks = _ranks_module()
+    script, ranks = rank_script("dp_ranks")
     one = ranks.alone(backend, batch)
 
     out = tmp_path / "seen"

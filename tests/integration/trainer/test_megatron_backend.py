@@ -10,7 +10,6 @@ tokens, and what megatron cannot do here is refused by name.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from omniloop.errors import ConfigError
 from omniloop.inference.core import EngineCore
 from omniloop.inference.generation import GenerationRequest
 from omniloop.inference.models import resolve_model
+from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.megatron.convert import gpt_shape, to_hf, to_megatron
 from omniloop.trainer.megatron.model import MegatronPolicy
@@ -85,19 +85,28 @@ def test_logits_are_hugging_faces_and_the_mapping_is_exact_both_ways(
     assert dict(policy.hf_weights()).keys() == state.keys()
 
 
+def assert_same_steps(
+    a: TorchTrainerBackend, b: TorchTrainerBackend, batch: TrainBatch, grad_norm_rel: float
+) -> None:
+    """`a` and `b` score `batch` alike, take two steps on it alike and end with the same
+    weights (within `STEPPED`) and logprobs."""
+    assert (a.logprobs(batch) - b.logprobs(batch)).abs().max() < EXACT
+    for _ in range(2):
+        ours, theirs = a.train_step(batch), b.train_step(batch)
+        assert ours["actor/grad_norm"] == pytest.approx(
+            theirs["actor/grad_norm"], rel=grad_norm_rel
+        )
+        assert ours["actor/loss"] == pytest.approx(theirs["actor/loss"], abs=1e-6)
+    after = dict(a.named_weights())
+    for name, weight in b.named_weights():
+        torch.testing.assert_close(after[name], weight, atol=STEPPED, rtol=0, msg=name)
+    assert (a.logprobs(batch) - b.logprobs(batch)).abs().max() < EXACT
+
+
 def test_a_step_moves_the_weights_as_the_torch_backends_step(make_batch) -> None:
     batch = make_batch([11, 17, 6, 14], advantages=[1.0, -0.5, 0.7, -1.2], seed=21)
-    torch_backend, megatron = trainer("tiny", "torch"), trainer("tiny", "megatron")
-    assert (torch_backend.logprobs(batch) - megatron.logprobs(batch)).abs().max() < EXACT
-    for _ in range(2):
-        a, b = torch_backend.train_step(batch), megatron.train_step(batch)
-        # megatron's norm sums in float64, torch's in float32.
-        assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-4)
-        assert b["actor/loss"] == pytest.approx(a["actor/loss"], abs=1e-6)
-    after = dict(megatron.named_weights())
-    for name, weight in torch_backend.named_weights():
-        torch.testing.assert_close(after[name], weight, atol=STEPPED, rtol=0, msg=name)
-    assert (torch_backend.logprobs(batch) - megatron.logprobs(batch)).abs().max() < EXACT
+    # megatron's norm sums in float64, torch's in float32.
+    assert_same_steps(trainer("tiny", "megatron"), trainer("tiny", "torch"), batch, 1e-4)
 
 
 def test_packed_rows_score_and_train_as_padded_rows(make_batch) -> None:
@@ -108,14 +117,7 @@ def test_packed_rows_score_and_train_as_padded_rows(make_batch) -> None:
     assert pack_rows(first.input_ids, first.attention_mask).input_ids.shape[0] == 2
     packed = trainer("tiny", "megatron", micro_batch_size=4)
     padded = trainer("tiny", "megatron", micro_batch_size=4, megatron={"pack_sequences": False})
-    assert (packed.logprobs(batch) - padded.logprobs(batch)).abs().max() < EXACT
-    for _ in range(2):
-        a, b = packed.train_step(batch), padded.train_step(batch)
-        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-5)
-        assert a["actor/loss"] == pytest.approx(b["actor/loss"], abs=1e-6)
-    after = dict(packed.named_weights())
-    for name, weight in padded.named_weights():
-        torch.testing.assert_close(after[name], weight, atol=STEPPED, rtol=0, msg=name)
+    assert_same_steps(packed, padded, batch, 1e-5)
 
 
 def test_the_engine_serves_the_exported_weights_with_the_trainers_greedy_tokens(
@@ -157,17 +159,14 @@ def test_what_megatron_cannot_do_here_is_refused_by_name(make_batch) -> None:
         trainer("tiny", "megatron").logprobs(with_media)
 
 
-def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(tmp_path: Path, make_batch) -> None:
+def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(
+    tmp_path: Path, make_batch, rank_script
+) -> None:
     """Two processes over gloo, each holding half of every split weight, against one; each
     resumes the other's checkpoint (checkpoints hold the whole weights and optimizer state)."""
     batch = make_batch([13, 9, 17], advantages=[1.0, -0.7, 0.4], seed=31)
     torch.save(batch, tmp_path / "batch.pt")
-    script = Path(__file__).with_name("tp_ranks.py")
-    spec = importlib.util.spec_from_file_location("tp_ranks", script)
-    assert spec is not None
-    assert spec.loader is not None
-    ranks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ranks)
+    script, ranks = rank_script("tp_ranks")
     one = ranks.run(1, batch, tmp_path)
 
     out = tmp_path / "rank0.pt"
