@@ -17,7 +17,13 @@ import pytest
 import ray
 import torch
 
-from omniloop.platform.control.local import LocalActor, LocalAdvantage, LocalScorer
+from omniloop.platform.control.local import (
+    SCORES,
+    LocalActor,
+    LocalAdvantage,
+    LocalScorer,
+    ScoringRole,
+)
 from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.data import DataPlane, DataPlaneConfig
@@ -56,6 +62,23 @@ def sample(
     builder.add_sampled([500, 600, 700], [-1.0, -2.0, -0.5], version)
     meta = TrajectoryMeta(run_id="actor-test", episode_id=episode, group_id="g", stop_reason=stop)
     return builder.build(meta)
+
+
+async def _scored(
+    plane: DataPlane, step: int, role: ScoringRole, model: TorchReference
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """Run the `role` stage of `model` on partition `step`: its metrics, and the logprobs it
+    wrote, by row id."""
+    scorer = LocalScorer(role, plane, model, 2, 30.0, threads=1)
+    try:
+        metrics = await scorer.compute(step)
+    finally:
+        scorer.close()
+    field = SCORES[role]
+    written: dict[str, torch.Tensor] = {}
+    async for batch in plane.iter_micro_batches(step, [field], 8, "check"):
+        written.update(zip(batch.ids, batch[field], strict=True))
+    return metrics, written
 
 
 async def test_actor_refuses_stale_samples_and_infra_failures(plane: DataPlane) -> None:
@@ -102,18 +125,8 @@ async def test_the_reference_stage_scores_like_the_frozen_copy(plane: DataPlane)
     await plane.put_rollout(step, rows)
     await plane.close_partition(step)
 
-    reference = LocalScorer(
-        "reference", plane, TorchReference("tiny", external), 2, 30.0, threads=1
-    )
-    try:
-        metrics = await reference.compute(step)
-    finally:
-        reference.close()
-
+    metrics, written = await _scored(plane, step, "reference", TorchReference("tiny", external))
     assert metrics["reference/rows"] == 5
-    written = {}
-    async for batch in plane.iter_micro_batches(step, ["ref_logprobs"], 8, "check"):
-        written.update(zip(batch.ids, batch["ref_logprobs"], strict=True))
     assert set(written) == {t.id for t in rows}
     assert not written[rows[-1].id].any(), "an infra failure was scored"
     copy = TorchTrainerBackend("tiny", external.model_copy(update={"reference": "copy"}))
@@ -152,16 +165,8 @@ async def test_the_teacher_stage_scores_rows_and_the_actor_trains_on_its_signal(
     await plane.put_rollout(step, rows)
     await plane.close_partition(step)
 
-    scorer = LocalScorer("teacher", plane, TorchReference("tiny", trainer), 2, 30.0, threads=1)
-    try:
-        metrics = await scorer.compute(step)
-    finally:
-        scorer.close()
-
+    metrics, written = await _scored(plane, step, "teacher", TorchReference("tiny", trainer))
     assert metrics["teacher/rows"] == 3
-    written = {}
-    async for batch in plane.iter_micro_batches(step, ["teacher_logprobs"], 8, "check"):
-        written.update(zip(batch.ids, batch["teacher_logprobs"], strict=True))
     # The reverse KL it reports: sampling logprob minus the teacher's, over the sampled tokens.
     sampled = torch.tensor([-1.0, -2.0, -0.5])
     gaps = [float((sampled - written[t.id][-3:]).mean()) for t in rows]
