@@ -10,13 +10,18 @@
    reads the step after the actor, which clears a step once trained).
 
 A step's values may come from a critic that has not yet trained on the step before (with
-`max_staleness` above 0 steps overlap): GAE only needs values, not current ones. The critic's
+`max_staleness` above 0 steps overlap): GAE only needs values, not current ones. Never from one
+that has trained on a later step: a replica trains the steps it was asked for in step order,
+each once all earlier ones have trained (a step whose rows are all in early waits). A request
+for a step the replica is already computing (a retry after a transient loss of contact) joins
+that computation instead of training on the step twice. The critic's
 state is part of each checkpoint (`checkpoints/step_k/critic/`): a resumed run, and a critic
 replica that replaces a lost one, continue from the newest.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from pathlib import Path
@@ -72,13 +77,32 @@ class LocalCritic:
         self._micro_batch_size = micro_batch_size
         self._read_timeout = read_timeout
         self._thread = TorchThread(threads, "critic")
+        self._computing: dict[int, asyncio.Task[dict[str, float]]] = {}
+        """The steps this replica is computing."""
 
     def close(self) -> None:
-        """Let the stage's thread end."""
+        """Stop the steps being computed and let the stage's thread end."""
+        for task in self._computing.values():
+            task.cancel()
         self._thread.close()
 
     async def compute(self, step: int) -> dict[str, float]:
-        """Write `values` for every row of `step`, then train on its returns; metrics."""
+        """Write `values` for every row of `step`, then train on its returns, after every
+        earlier step this replica computes; metrics."""
+        task = self._computing.get(step)
+        if task is None:
+            task = asyncio.create_task(self._compute(step))
+            self._computing[step] = task
+            task.add_done_callback(lambda _: self._computing.pop(step, None))
+        # Shielded: a caller that gives up (its request cancelled) leaves the step to the steps
+        # after it, which wait for it, and to a retry, which joins it.
+        return await asyncio.shield(task)
+
+    async def _after_earlier_steps(self, step: int) -> None:
+        while earlier := [t for k, t in self._computing.items() if k < step and not t.done()]:
+            await asyncio.wait(earlier)
+
+    async def _compute(self, step: int) -> dict[str, float]:
         started = time.perf_counter()
         # Every row, as for the advantages: a replacement replica does the step whole.
         await self._data.reread(step, "critic")
@@ -112,6 +136,7 @@ class LocalCritic:
                         returns.append(ret)
                 await self._data.put_field(step, batch.ids, "values", values)
         metrics: dict[str, float] = {"critic/rows": float(len(sequences))}
+        await self._after_earlier_steps(step)
         if sequences:
             scoring = TrainBatch.for_scoring(sequences)
             width = scoring.input_ids.shape[1]
