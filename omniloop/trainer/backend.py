@@ -66,7 +66,8 @@ class TrainerBackend(Protocol):
 
 def make_backend(model: str | Path, config: TrainerConfig) -> TrainerBackend:
     """The trainer of `config` for `model` (anything `resolve_model` accepts): in this process,
-    or, with several ranks (`trainer.data_parallel`, megatron's `tensor_parallel`), over rank
+    or, with several ranks (`trainer.data_parallel`, megatron's `tensor_parallel`,
+    `pipeline_parallel`), over rank
     processes this one drives (`ranks.RankedTrainer`, in the running Ray)."""
     from omniloop.trainer.ranks import RankedTrainer, world_size
     from omniloop.trainer.torch_backend import TorchTrainerBackend

@@ -120,6 +120,13 @@ class MegatronConfig(StrictModel):
     trainer runs as that many processes in one process group, driven in lock step (a run's
     actor starts them: `trainer/ranks.py`). Checkpoints hold the whole weights and optimizer
     state, so a run resumes at any tensor-parallel size."""
+    pipeline_parallel: int = Field(default=1, ge=1)
+    """Pipeline stages, each holding a contiguous run of the layers (it must divide their
+    number): a run's actor starts `data_parallel × tensor_parallel × pipeline_parallel`
+    processes. One micro-batch is in flight at a time, so the stages divide the memory of the
+    weights, gradients and optimizer state, not the time of a step
+    (`trainer/megatron/pipeline.py`). Checkpoints hold the whole model, so a run resumes at any
+    number of stages."""
     pack_sequences: bool = True
     """Pack each micro-batch's rows into as few rows of its width as fit (first-fit
     decreasing), each token attending only within its own row (`trainer/megatron/packing.py`):
@@ -133,7 +140,7 @@ class TrainerConfig(StrictModel):
     backend: Literal["torch", "megatron"] = "torch"
     """The policy's model: `torch`, the Hugging Face model (any causal LM, or a multimodal
     conditional-generation model); `megatron`, megatron-core's `GPTModel` built from the
-    Hugging Face Llama / Qwen2 folder (text only; one rank for now). The training loop, losses
+    Hugging Face Llama / Qwen2 folder (text only). The training loop, losses
     and optimizer are the same."""
     lr: float = Field(default=1e-6, gt=0)
     """AdamW learning rate (after warm-up)."""
@@ -149,13 +156,13 @@ class TrainerConfig(StrictModel):
     """Clip the global gradient norm to this value; None disables clipping (the norm is still
     reported). A step whose gradient norm is not finite is skipped."""
     data_parallel: int = Field(default=1, ge=1)
-    """Data-parallel ranks: above 1 (or with megatron's `tensor_parallel` above 1) the trainer
-    runs as `data_parallel` x `tensor_parallel` rank processes (one Ray actor each) that the
-    actor role drives in lock step (`trainer/ranks.py`). Each data-parallel rank trains its
+    """Data-parallel ranks: above 1 (or with megatron's `tensor_parallel` or
+    `pipeline_parallel` above 1) the trainer runs as `data_parallel` × `tensor_parallel` ×
+    `pipeline_parallel` rank processes (one Ray actor each) that the actor role drives in lock
+    step (`trainer/ranks.py`). Each data-parallel rank trains its
     shard of every step's rows (each row by exactly one rank, shards balanced by tokens) and
     the ranks' gradients are summed before every optimizer step, so N ranks take the step one
-    rank takes on all rows. 1 with tensor_parallel 1: the trainer runs in the actor's own
-    process."""
+    rank takes on all rows. One rank in all: the trainer runs in the actor's own process."""
     micro_batch_size: int = Field(default=4, gt=0)
     """Sequences per forward/backward pass; gradients accumulate over the micro-batches of one
     `train_step`, which makes one optimizer step."""

@@ -1,13 +1,14 @@
 """`RankedTrainer`: a `TrainerBackend` whose work runs on a group of rank processes, one Ray
 actor per rank, driven in lock step. The caller (the actor role) sees one backend.
 
-World: `trainer.data_parallel` × `trainer.megatron.tensor_parallel` ranks in one
+World: `trainer.data_parallel` × megatron's `tensor_parallel` × `pipeline_parallel` ranks in one
 `torch.distributed` group (gloo on the CPU, NCCL on GPUs; rank 0's node address is the
 rendezvous). Each data-parallel rank trains its shard of every batch (`TrainBatch.shard`: each
 row by exactly one rank, balanced by tokens) and the ranks' gradients are summed before every
 optimizer step (`data_parallel.py`), so the weights stay equal on every rank and N ranks take the
-step one rank would take on all rows. The tensor-parallel ranks of one data-parallel rank share
-its shard and split each layer (megatron-core).
+step one rank would take on all rows. The tensor-parallel ranks and pipeline stages of one
+data-parallel rank share its shard; they split each layer, and the layers (megatron-core,
+`megatron/pipeline.py`).
 
 The actor role reads each step's rows from the data plane once and hands each data-parallel
 rank its shard through Ray's object store; the ranks do not read the data plane themselves (it
@@ -92,7 +93,8 @@ class RankWorker:
 
             from omniloop.trainer.megatron.model import ensure_model_parallel
 
-            ensure_model_parallel(self._config.megatron.tensor_parallel)
+            megatron = self._config.megatron
+            ensure_model_parallel(megatron.tensor_parallel, megatron.pipeline_parallel)
             group = parallel_state.get_data_parallel_group()
         ranks = DistributedGroup(group)
         self.backend = TorchTrainerBackend(self._model, self._config, ranks)
@@ -129,9 +131,11 @@ class RankWorker:
 
 
 def world_size(config: TrainerConfig) -> int:
-    """Ranks of the trainer of `config`: data-parallel × tensor-parallel."""
-    tensor_parallel = config.megatron.tensor_parallel if config.backend == "megatron" else 1
-    return config.data_parallel * tensor_parallel
+    """Ranks of the trainer of `config`: data-parallel × tensor-parallel × pipeline stages."""
+    if config.backend != "megatron":
+        return config.data_parallel
+    megatron = config.megatron
+    return config.data_parallel * megatron.tensor_parallel * megatron.pipeline_parallel
 
 
 class RankedTrainer:

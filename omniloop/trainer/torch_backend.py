@@ -357,12 +357,12 @@ class PolicyModel(Protocol):
 
     def save_hf(self, folder: Path | None) -> None:
         """Write the weights and the model's config into `folder` (which exists). Every
-        tensor-parallel rank calls it (the weights are gathered); None: write nothing."""
+        model-parallel rank calls it (the weights are gathered); None: write nothing."""
         ...
 
     def save_weights(self, file: Path | None) -> None:
         """Write every weight of `module`, whole, to the safetensors `file` (a checkpoint's),
-        loadable at any tensor-parallel size. Every tensor-parallel rank calls it (the weights
+        loadable at any model-parallel sizes. Every model-parallel rank calls it (the weights
         are gathered); None: write nothing."""
         ...
 
@@ -371,13 +371,26 @@ class PolicyModel(Protocol):
         what does not fit."""
         ...
 
-    def whole_tensor(self, name: str, local: Tensor) -> Tensor:
-        """A tensor shaped like this rank's part of parameter `name` (e.g. its optimizer
-        state), made whole: gathered from every tensor-parallel rank, which all call this."""
+    def whole_names(self) -> list[str]:
+        """The whole model's parameter names (as `module` names them with one rank), in that
+        model's order; every rank calls this."""
         ...
 
-    def local_tensor(self, name: str, whole: Tensor) -> Tensor:
-        """This rank's part of a tensor shaped like the whole parameter `name`."""
+    def whole_state(self, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """Per-parameter state (the optimizer's) keyed by this rank's parameter names, made the
+        whole model's: keyed by `whole_names`, each tensor shaped like its parameter whole
+        (gathered from every rank, which all call this)."""
+        ...
+
+    def local_state(
+        self, whole: dict[str, dict[str, Any]], names: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        """`whole_state` undone: the entries of this rank's parameters `names`, its parts."""
+        ...
+
+    def finish_gradients(self) -> None:
+        """Complete the gradients of a backward before the optimizer step (the copies of one
+        weight held by several ranks get their summed gradient)."""
         ...
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -417,11 +430,19 @@ class HFPolicy:
         if file is not None:
             safetensors.torch.save_model(self.module, str(file))
 
-    def whole_tensor(self, name: str, local: Tensor) -> Tensor:
+    def whole_names(self) -> list[str]:
+        return [name for name, p in self.module.named_parameters() if p.requires_grad]
+
+    def whole_state(self, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
         return local
 
-    def local_tensor(self, name: str, whole: Tensor) -> Tensor:
-        return whole
+    def local_state(
+        self, whole: dict[str, dict[str, Any]], names: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        return {name: whole[name] for name in names if name in whole}
+
+    def finish_gradients(self) -> None:
+        pass
 
     def load_weights(self, file: Path, device: torch.device) -> None:
         missing, unexpected = safetensors.torch.load_model(
@@ -444,6 +465,7 @@ def load_policy(path: Path, config: TrainerConfig) -> PolicyModel:
             path,
             gradient_checkpointing=config.gradient_checkpointing,
             tensor_parallel=config.megatron.tensor_parallel,
+            pipeline_parallel=config.megatron.pipeline_parallel,
             pack_sequences=config.megatron.pack_sequences,
         )
     return HFPolicy(path, gradient_checkpointing=config.gradient_checkpointing)
@@ -584,6 +606,7 @@ class TorchTrainerBackend:
                 sums[key] = sums[key] + value if key in sums else value
             del logits, lp, entropy, loss
 
+        self.policy.finish_gradients()
         if self.ranks.size > 1:
             self.ranks.sum_gradients([p for p in self.model.parameters() if p.requires_grad])
             sums = _summed_over(self.ranks, sums)
@@ -658,9 +681,9 @@ class TorchTrainerBackend:
         """Write a checkpoint folder; it appears complete or not at all (written aside, renamed).
 
         `data_position` must be JSON-serializable; it comes back from `load` unchanged. The
-        weights and optimizer state are saved whole (a tensor-parallel policy's are gathered:
-        every tensor-parallel rank calls this, and only the one with `write` writes), so any
-        tensor-parallel size loads them.
+        weights and optimizer state are saved whole (a model-parallel policy's are gathered:
+        every model-parallel rank calls this, and only the one with `write` writes), so any
+        tensor- and pipeline-parallel sizes load them.
         """
         optimizer = self._optimizer_state(whole=True)
         if not write:
@@ -705,7 +728,7 @@ class TorchTrainerBackend:
     def save_hf(self, path: str | Path, *, write: bool = True) -> None:
         """Write a HF model folder (safetensors, config, tokenizer) atomically, fp32 weights
         (`PolicyModel.save_hf`). An engine loads it with `/update_weights_from_disk`. Every
-        tensor-parallel rank calls it; only the one with `write` writes."""
+        model-parallel rank calls it; only the one with `write` writes."""
         from transformers import AutoTokenizer
 
         if not write:
@@ -719,21 +742,35 @@ class TorchTrainerBackend:
     def _optimizer_state(
         self, *, whole: bool, saved: dict[str, Any] | None = None
     ) -> dict[str, Any]:
-        """The optimizer's state with every per-parameter tensor whole (`whole`: to save; every
-        tensor-parallel rank calls this) or, from a `saved` whole state, this rank's part."""
-        state = self.optimizer.state_dict() if saved is None else saved
+        """The optimizer's state as the whole model's (`whole`: to save; every rank calls this):
+        entries indexed by `PolicyModel.whole_names`, each tensor whole; or, from a `saved`
+        whole state, this rank's (its parameters, its parts)."""
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        convert = self.policy.whole_tensor if whole else self.policy.local_tensor
-        per_param = {
-            index: {
-                key: convert(names[int(index)], value)
-                if isinstance(value, Tensor) and value.dim() > 0
-                else value
-                for key, value in entry.items()
+        if saved is None:
+            state = self.optimizer.state_dict()
+            local = {names[int(i)]: entry for i, entry in state["state"].items()}
+            order = self.policy.whole_names()
+            entries = self.policy.whole_state(local)
+            index = {name: i for i, name in enumerate(order)}
+            return {
+                "state": {index[name]: entry for name, entry in entries.items()},
+                "param_groups": _with_params(state["param_groups"], len(order)),
             }
-            for index, entry in state["state"].items()
+        order = self.policy.whole_names()
+        by_name = {order[int(i)]: entry for i, entry in saved["state"].items()}
+        mine = self.policy.local_state(by_name, names)
+        index = {name: i for i, name in enumerate(names)}
+        return {
+            "state": {index[name]: entry for name, entry in mine.items()},
+            "param_groups": _with_params(saved["param_groups"], len(names)),
         }
-        return {**state, "state": per_param}
+
+
+def _with_params(groups: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The optimizer's one parameter group, over `count` parameters."""
+    if len(groups) != 1:
+        raise ValueError(f"the trainer's optimizer has one parameter group, not {len(groups)}")
+    return [{**groups[0], "params": list(range(count))}]
 
 
 def _summed_over(ranks: RankGroup, sums: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -51,6 +51,7 @@ from omniloop.trainer.megatron.convert import (
     unshard,
 )
 from omniloop.trainer.megatron.packing import pack_rows
+from omniloop.trainer.megatron.pipeline import Stages
 
 _group_lock = threading.Lock()
 
@@ -60,44 +61,57 @@ class CausalLMOutput:
     logits: Tensor
 
 
-def ensure_model_parallel(tensor_parallel: int = 1) -> None:
-    """Megatron's model-parallel state for `tensor_parallel` ranks, if not there yet (module
-    docstring); ConfigError when the process's world does not fit."""
+def ensure_model_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1) -> None:
+    """Megatron's model-parallel state for `tensor_parallel` × `pipeline_parallel` ranks per
+    model, if not there yet (module docstring); ConfigError when the process's world does not
+    fit."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    per_model = tensor_parallel * pipeline_parallel
     with _group_lock:
         if not dist.is_initialized():
-            if tensor_parallel != 1:
+            if per_model != 1:
                 raise ConfigError(
-                    f"trainer.megatron.tensor_parallel={tensor_parallel} needs a process per "
-                    "rank, joined in one process group, and this process has none (a run's "
-                    "actor starts them: `RankedTrainer`)"
+                    f"trainer.megatron.tensor_parallel={tensor_parallel} and "
+                    f"pipeline_parallel={pipeline_parallel} need a process per rank, joined in "
+                    "one process group, and this process has none (a run's actor starts them: "
+                    "`RankedTrainer`)"
                 )
             store = Path(tempfile.mkdtemp(prefix="omniloop-megatron-")) / "store"
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
         if not parallel_state.model_parallel_is_initialized():
-            if dist.get_world_size() % tensor_parallel:
+            if dist.get_world_size() % per_model:
                 raise ConfigError(
-                    f"trainer.megatron.tensor_parallel={tensor_parallel} does not divide the "
-                    f"world of {dist.get_world_size()} processes"
+                    f"trainer.megatron.tensor_parallel={tensor_parallel} × "
+                    f"pipeline_parallel={pipeline_parallel} does not divide the world of "
+                    f"{dist.get_world_size()} processes"
                 )
-            parallel_state.initialize_model_parallel(tensor_parallel, 1)
-        elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel:
+            parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+        elif (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        ) != (tensor_parallel, pipeline_parallel):
             raise ConfigError(
-                f"trainer.megatron.tensor_parallel={tensor_parallel}, but this process already "
-                f"runs {parallel_state.get_tensor_model_parallel_world_size()} ranks"
+                f"trainer.megatron.tensor_parallel={tensor_parallel} and pipeline_parallel="
+                f"{pipeline_parallel}, but this process already runs "
+                f"{parallel_state.get_tensor_model_parallel_world_size()} and "
+                f"{parallel_state.get_pipeline_model_parallel_world_size()}"
             )
 
 
 class MegatronCausalLM(nn.Module):
     """`GPTModel` called as a Hugging Face causal LM is (module docstring)."""
 
-    def __init__(self, gpt: nn.Module, shape: GPTShape, *, pack: bool = False) -> None:
-        """`pack`: run the rows of a batch packed (`packing.py`), given its attention mask."""
+    def __init__(
+        self, gpt: nn.Module, shape: GPTShape, stages: Stages, *, pack: bool = False
+    ) -> None:
+        """`pack`: run the rows of a batch packed (`packing.py`), given its attention mask;
+        `stages`: the pipeline stage `gpt` is (`pipeline.py`)."""
         super().__init__()
         self.gpt: Any = gpt  # megatron-core is untyped
         self.shape = shape
+        self.stages = stages
         self.pack = pack
 
     def forward(
@@ -114,9 +128,9 @@ class MegatronCausalLM(nn.Module):
             )
         if self.pack and attention_mask is not None:
             packing = pack_rows(input_ids, attention_mask)
-            packed = self.gpt(packing.input_ids, packing.positions, packing.mask)
-            return CausalLMOutput(logits=packing.unpack(packed))
-        logits: Tensor = self.gpt(*_positions_and_mask(input_ids))
+            inputs = (packing.input_ids, packing.positions, packing.mask)
+            return CausalLMOutput(logits=packing.unpack(self.stages.run(self.gpt, inputs, _same)))
+        logits = self.stages.run(self.gpt, _positions_and_mask(input_ids), _same)
         return CausalLMOutput(logits=logits)
 
     def logits_at(
@@ -125,22 +139,31 @@ class MegatronCausalLM(nn.Module):
         """`(N, V)` logits at `(rows, positions)`, only those through the output layer (the
         trainer's `SelectiveHead`): in RL most tokens are not trained, and over a large
         vocabulary the output layer is most of a step's compute and memory."""
-        # With `post_process` off, GPTModel returns the decoder's output (final norm included)
-        # instead of running its output layer: the same forward up to the logits.
+        if self.pack:
+            packing = pack_rows(input_ids, attention_mask)
+            inputs = (packing.input_ids, packing.positions, packing.mask)
+            rows, positions = packing.at(rows, positions)
+        else:
+            inputs = _positions_and_mask(input_ids)
+
+        def head(hidden: Tensor) -> Tensor:  # (T, B, H) → (N, V)
+            picked = hidden[positions, rows][:, None, :]  # (N, 1, H): N sequences of one token
+            weight = self.gpt.shared_embedding_or_output_weight() if self.shape.tied else None
+            logits, _ = self.gpt.output_layer(picked, weight=weight, runtime_gather_output=True)
+            return logits[:, 0, :]
+
+        # With `post_process` off, the last stage's GPTModel returns the decoder's output (final
+        # norm included) instead of running its output layer: the same forward up to the logits.
+        last_stage = self.gpt.post_process
         self.gpt.post_process = False
         try:
-            if self.pack:
-                packing = pack_rows(input_ids, attention_mask)
-                hidden: Tensor = self.gpt(packing.input_ids, packing.positions, packing.mask)
-                rows, positions = packing.at(rows, positions)
-            else:
-                hidden = self.gpt(*_positions_and_mask(input_ids))  # (T, B, H)
+            return self.stages.run(self.gpt, inputs, head)
         finally:
-            self.gpt.post_process = True
-        picked = hidden[positions, rows][:, None, :]  # (N, 1, H): N sequences of one token
-        weight = self.gpt.shared_embedding_or_output_weight() if self.shape.tied else None
-        logits, _ = self.gpt.output_layer(picked, weight=weight, runtime_gather_output=True)
-        return logits[:, 0, :]
+            self.gpt.post_process = last_stage
+
+
+def _same(tensor: Tensor) -> Tensor:
+    return tensor
 
 
 def _positions_and_mask(input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -159,6 +182,10 @@ class MegatronPolicy:
     hf_config: Any
     tensor_parallel: int = 1
 
+    @property
+    def stages(self) -> Stages:
+        return self.module.stages
+
     @classmethod
     def load(
         cls,
@@ -166,10 +193,12 @@ class MegatronPolicy:
         *,
         gradient_checkpointing: bool = False,
         tensor_parallel: int = 1,
+        pipeline_parallel: int = 1,
         pack_sequences: bool = False,
     ) -> MegatronPolicy:
-        """Build the `GPTModel` of the Hugging Face folder `path` and load this rank's part of
-        its weights. `pack_sequences`: run batches packed (`packing.py`).
+        """Build this rank's `GPTModel` (its pipeline stage, its tensor-parallel part) of the
+        Hugging Face folder `path` and load its weights. `pack_sequences`: run batches packed
+        (`packing.py`).
 
         `gradient_checkpointing`: megatron's full recompute, one layer at a time (it saves and
         restores CUDA RNG states, so it needs a GPU)."""
@@ -185,7 +214,7 @@ class MegatronPolicy:
                     "(megatron's recompute saves CUDA RNG states); set it false on the CPU"
                 )
             cpu_shims.install()
-        ensure_model_parallel(tensor_parallel)
+        ensure_model_parallel(tensor_parallel, pipeline_parallel)
         from megatron.core import parallel_state
         from megatron.core import tensor_parallel as megatron_tp
 
@@ -197,34 +226,46 @@ class MegatronPolicy:
         rank = parallel_state.get_tensor_model_parallel_rank()
         hf_config = AutoConfig.from_pretrained(path)
         shape = gpt_shape(hf_config)
+        stages = Stages.of_process(shape.layers, shape.tied)
         recompute = (
             {"recompute_granularity": "full", "recompute_method": "uniform"}
             | {"recompute_num_layers": 1}
             if gradient_checkpointing
             else {}
         )
+        config = transformer_config(
+            hf_config,
+            tensor_model_parallel_size=tensor_parallel,
+            pipeline_model_parallel_size=pipeline_parallel,
+            pipeline_dtype=torch.float32,
+            **recompute,
+        )
         gpt = GPTModel(
-            transformer_config(hf_config, tensor_model_parallel_size=tensor_parallel, **recompute),
+            config,
             get_gpt_layer_local_spec(normalization="RMSNorm"),
             vocab_size=hf_config.vocab_size,
             max_sequence_length=hf_config.max_position_embeddings,
-            share_embeddings_and_output_weights=shape.tied,
+            # Several stages: the last one's copy of a tied embedding is its own weight here
+            # (`pipeline.py`).
+            share_embeddings_and_output_weights=shape.tied and stages.count == 1,
             position_embedding_type="rope",
             rotary_base=int(rope_parameters(hf_config)["rope_theta"]),
             parallel_output=False,  # whole logits on every rank: the loss is a rank's own
+            pre_process=stages.first,
+            post_process=stages.last,
         )
         hf_state: dict[str, Tensor] = {}
         for file in sorted(Path(path).glob("*.safetensors")):
             hf_state.update(safetensors.torch.load_file(str(file)))
         if shape.tied:
             hf_state.pop("lm_head.weight", None)
-        whole = to_megatron(hf_state, shape)
+        whole = stages.local_weights(to_megatron(hf_state, shape))
         parts = {name: shard(name, t, rank, tensor_parallel) for name, t in whole.items()}
         missing, unexpected = gpt.load_state_dict(parts, strict=False)
         missing = [k for k in missing if not k.endswith("._extra_state")]
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not fit the GPTModel: {missing=} {unexpected=}")
-        module = MegatronCausalLM(gpt, shape, pack=pack_sequences)
+        module = MegatronCausalLM(gpt, shape, stages, pack=pack_sequences)
         return cls(module.eval(), hf_config, tensor_parallel)
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -233,10 +274,14 @@ class MegatronPolicy:
         return to_hf(self._whole_weights(), self.module.shape)
 
     def _whole_weights(self) -> dict[str, Tensor]:
-        return {
-            name: self._gathered(name, part.detach())
-            for name, part in self.module.gpt.named_parameters()
-        }
+        """The whole model's weights under megatron's names, gathered from every tensor-parallel
+        rank and pipeline stage, on every rank."""
+        part: dict[str, Tensor] = {}
+        for name, local in self.module.gpt.named_parameters():
+            whole = self._gathered(name, local.detach())
+            if (global_name := self.stages.global_name(name)) is not None:
+                part[global_name] = whole
+        return self.stages.gather(part)
 
     def _gathered(self, name: str, part: Tensor) -> Tensor:
         """The whole of `GPTModel` weight `name` (or a tensor shaped like it) from every
@@ -257,25 +302,62 @@ class MegatronPolicy:
         rank = parallel_state.get_tensor_model_parallel_rank() if self.tensor_parallel > 1 else 0
         return shard(name, whole, rank, self.tensor_parallel)
 
-    def whole_tensor(self, name: str, local: Tensor) -> Tensor:
-        return self._gathered(name.removeprefix("gpt."), local)
+    # -- per-parameter state (the optimizer's) ---------------------------------------------------
 
-    def local_tensor(self, name: str, whole: Tensor) -> Tensor:
-        return self._rank_part(name.removeprefix("gpt."), whole)
+    def whole_names(self) -> list[str]:
+        names = [
+            f"gpt.{global_name}"
+            for name, _ in self.module.gpt.named_parameters()
+            if (global_name := self.stages.global_name(name)) is not None
+        ]
+        return list(self.stages.gather(dict.fromkeys(names, 0)))
+
+    def whole_state(self, local: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        part = {}
+        for name, entry in local.items():
+            gpt_name = name.removeprefix("gpt.")
+            whole = {
+                key: self._gathered(gpt_name, value) if _per_element(value) else value
+                for key, value in entry.items()
+            }
+            if (global_name := self.stages.global_name(gpt_name)) is not None:
+                part[f"gpt.{global_name}"] = whole
+        return self.stages.gather(part)
+
+    def local_state(
+        self, whole: dict[str, dict[str, Any]], names: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        out = {}
+        for name in names:
+            gpt_name = name.removeprefix("gpt.")
+            entry = whole.get(f"gpt.{self.stages.source_name(gpt_name)}")
+            if entry is not None:
+                out[name] = {
+                    key: self._rank_part(gpt_name, value) if _per_element(value) else value
+                    for key, value in entry.items()
+                }
+        return out
+
+    def finish_gradients(self) -> None:
+        self.stages.sum_tied_gradients(self.module.gpt)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradients so that their global norm is at most `max_norm`; the norm before.
 
-        With several ranks, a split weight's squared norm is summed over its parts (one per
-        rank) and a whole weight's is counted once (every rank holds the same gradient)."""
+        A split weight's squared norm is summed over its tensor-parallel parts and a whole
+        weight's counted once (every tensor-parallel rank holds the same gradient); each stage
+        counts its own layers, and the last stage's copy of a tied embedding is not counted
+        again."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        params = [p for p in self.module.parameters() if p.grad is not None]
+        params = [(n, p) for n, p in self.module.gpt.named_parameters() if p.grad is not None]
         split = torch.zeros((), dtype=torch.float64)
         whole = torch.zeros((), dtype=torch.float64)
-        for param in params:
-            squared = param.grad.detach().double().pow(2).sum().cpu()  # type: ignore[union-attr]
+        for name, param in params:
+            if self.stages.global_name(name) is None:
+                continue
+            squared = param.grad.detach().double().pow(2).sum().cpu()
             if getattr(param, "tensor_model_parallel", False):
                 split += squared
             else:
@@ -283,11 +365,11 @@ class MegatronPolicy:
         if self.tensor_parallel > 1:
             group = parallel_state.get_tensor_model_parallel_group()
             dist.all_reduce(split, group=group)
-        norm = float((split + whole).sqrt())
+        norm = float(self.stages.sum(split + whole).sqrt())
         if math.isfinite(norm) and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            for param in params:
-                param.grad.detach().mul_(scale)  # type: ignore[union-attr]
+            for _, param in params:
+                param.grad.detach().mul_(scale)
         return norm
 
     def save_hf(self, folder: Path | None) -> None:
@@ -302,7 +384,8 @@ class MegatronPolicy:
 
     def save_weights(self, file: Path | None) -> None:
         """The whole parameters under megatron's names (its `_extra_state` entries hold
-        nothing), gathered from the tensor-parallel ranks: any tensor-parallel size loads them."""
+        nothing), gathered from every rank: any tensor- and pipeline-parallel sizes load
+        them."""
         import safetensors.torch
 
         weights = {
@@ -315,10 +398,16 @@ class MegatronPolicy:
         import safetensors.torch
 
         saved = safetensors.torch.load_file(str(file), device=str(device))
-        params = dict(self.module.named_parameters())
-        if saved.keys() != params.keys():
-            missing, unexpected = sorted(params.keys() - saved), sorted(saved.keys() - params)
+        expected = set(self.whole_names())
+        if saved.keys() != expected:
+            missing, unexpected = sorted(expected - saved.keys()), sorted(saved.keys() - expected)
             raise ValueError(f"{file}: weights do not fit the model: {missing=} {unexpected=}")
         with torch.no_grad():
-            for name, param in params.items():
-                param.copy_(self.local_tensor(name, saved[name]))
+            for name, param in self.module.gpt.named_parameters():
+                whole = saved[f"gpt.{self.stages.source_name(name)}"]
+                param.copy_(self._rank_part(name, whole))
+
+
+def _per_element(value: Any) -> bool:
+    """An optimizer state entry shaped like its parameter (not a scalar such as `step`)."""
+    return isinstance(value, Tensor) and value.dim() > 0

@@ -68,7 +68,7 @@ def make_batch() -> BatchFactory:
 
 @pytest.fixture(scope="session")
 def rank_script() -> Callable[[str], tuple[Path, ModuleType]]:
-    """`rank_script("tp_ranks")`: a rank script of this folder (run as one process per rank),
+    """`rank_script("dp_ranks")`: a rank script of this folder (run as one process per rank),
     its path and the script imported (to run one rank in the test's own process)."""
 
     def load(name: str) -> tuple[Path, ModuleType]:

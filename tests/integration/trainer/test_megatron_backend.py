@@ -3,9 +3,9 @@ folders by our own mapping (`trainer/megatron/convert.py`), on the CPU, fp32.
 
 The contract every backend keeps (alignment, micro-batching, checkpoints, exported weights) is in
 `test_trainer_backends.py`; here: the mapping is exact both ways and the logits are Hugging
-Face's, a step moves the weights as the torch backend's does, two tensor-parallel ranks score
-and train as one, the CPU engine serves the exported weights with the trainer's own greedy
-tokens, and what megatron cannot do here is refused by name.
+Face's, a step moves the weights as the torch backend's does, two tensor-parallel ranks and two
+pipeline stages score and train as one, the CPU engine serves the exported weights with the
+trainer's own greedy tokens, and what megatron cannot do here is refused by name.
 """
 
 from __future__ import annotations
@@ -159,35 +159,48 @@ def test_what_megatron_cannot_do_here_is_refused_by_name(make_batch) -> None:
         trainer("tiny", "megatron").logprobs(with_media)
 
 
-def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(
-    tmp_path: Path, make_batch, rank_script
-) -> None:
-    """Two processes over gloo, each holding half of every split weight, against one; each
-    resumes the other's checkpoint (checkpoints hold the whole weights and optimizer state)."""
+@pytest.fixture
+def one_rank(tmp_path: Path, make_batch, rank_script) -> tuple[Path, dict]:
+    """What one rank sees of a batch (saved in the folder returned), and its checkpoint."""
     batch = make_batch([13, 9, 17], advantages=[1.0, -0.7, 0.4], seed=31)
     torch.save(batch, tmp_path / "batch.pt")
-    script, ranks = rank_script("tp_ranks")
-    one = ranks.run(1, batch, tmp_path)
+    _, ranks = rank_script("model_parallel_ranks")
+    return tmp_path, ranks.run(1, 1, batch, tmp_path)
 
+
+@pytest.mark.parametrize(
+    ("tensor_parallel", "stages"),
+    [(2, 1), (1, 2), (2, 2)],
+    ids=["tensor-parallel", "pipeline", "tensor-parallel-pipeline"],
+)
+def test_model_parallel_ranks_score_and_train_as_one_rank(
+    tensor_parallel: int, stages: int, one_rank: tuple[Path, dict], rank_script, tmp_path: Path
+) -> None:
+    """Processes over gloo, each holding half of every split weight (tensor parallel), one of
+    the two layers (pipeline stages), or a half of one layer (both), against one; each resumes
+    the other's checkpoint (checkpoints hold the whole weights and optimizer state)."""
+    folder, one = one_rank
+    script, _ = rank_script("model_parallel_ranks")
     out = tmp_path / "rank0.pt"
-    store = tmp_path / "store"
+    world = tensor_parallel * stages
     procs = [
         subprocess.Popen(
             [
                 sys.executable,
                 str(script),
                 str(r),
-                "2",
-                str(store),
-                str(tmp_path / "batch.pt"),
+                str(world),
+                str(tmp_path / "store"),
+                str(folder / "batch.pt"),
                 str(out),
-                str(tmp_path),
+                str(folder),
+                str(stages),
             ]
         )
-        for r in range(2)
+        for r in range(world)
     ]
-    assert [p.wait(timeout=300) for p in procs] == [0, 0]
-    two = torch.load(out, weights_only=False)
+    assert [p.wait(timeout=300) for p in procs] == [0] * world
+    two = torch.load(out, weights_only=False)  # what the ranks saw
 
     for key in ("before", "after"):
         assert (two[key] - one[key]).abs().max() < EXACT, key
@@ -199,11 +212,11 @@ def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(
 
     # One rank resumes two's: their weights exactly, their optimizer state, their version.
     resumed = trainer("tiny", "megatron")
-    assert resumed.load(tmp_path / "tp2") == {"step": 2}
+    assert resumed.load(folder / f"tp{tensor_parallel}pp{stages}") == {"step": 2}
     assert resumed.version == 2
     for name, weight in resumed.named_weights():
         assert torch.equal(weight, two["weights"][name]), name
-    saved = torch.load(tmp_path / "tp1" / "optimizer.pt", weights_only=True)["optimizer"]
+    saved = torch.load(folder / "tp1pp1" / "optimizer.pt", weights_only=True)["optimizer"]
     for index, state in resumed.optimizer.state_dict()["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             expected = saved["state"][index][key]
@@ -211,6 +224,8 @@ def test_two_tensor_parallel_ranks_score_and_train_as_one_rank(
             torch.testing.assert_close(state[key], expected, atol=1e-6, rtol=1e-3)
 
 
-def test_tensor_parallel_ranks_need_a_process_each() -> None:
+def test_model_parallel_ranks_need_a_process_each() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel=2"):
         trainer("tiny", "megatron", megatron={"tensor_parallel": 2})
+    with pytest.raises(ConfigError, match="pipeline_parallel=2"):
+        trainer("tiny", "megatron", megatron={"pipeline_parallel": 2})
