@@ -163,6 +163,12 @@ class TrainerConfig(StrictModel):
     shard of every step's rows (each row by exactly one rank, shards balanced by tokens) and
     the ranks' gradients are summed before every optimizer step, so N ranks take the step one
     rank takes on all rows. One rank in all: the trainer runs in the actor's own process."""
+    distributed_optimizer: bool = False
+    """Shard AdamW's state over the data-parallel ranks (ZeRO stage 1, torch's
+    `ZeroRedundancyOptimizer`): each rank keeps the state of its share of the parameters (whole
+    tensors, shares balanced by size), updates them, and broadcasts them to the others. The
+    same steps with about 1/N of the state per rank when no tensor dominates the model;
+    checkpoints hold the whole state. With one data-parallel rank, plain AdamW."""
     micro_batch_size: int = Field(default=4, gt=0)
     """Sequences per forward/backward pass; gradients accumulate over the micro-batches of one
     `train_step`, which makes one optimizer step."""

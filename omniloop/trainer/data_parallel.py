@@ -7,6 +7,12 @@ counts of the whole step (summed over the ranks first), so the summed gradient i
 of the whole batch and every rank takes the same optimizer step: the ranks stay equal without
 ever exchanging weights, and N ranks train as one rank given all the rows.
 
+With `trainer.distributed_optimizer`, the optimizer's state is sharded over the ranks (ZeRO
+stage 1, torch's `ZeroRedundancyOptimizer`): each rank keeps AdamW's state for its share of
+the parameters (whole tensors, shares balanced by size), updates only those, and broadcasts
+them to the others, so each rank holds about 1/N of the state when no tensor dominates the
+model. The step is the same.
+
 `shard_rows` splits a step's rows among the ranks: disjoint, each row exactly once, balanced by
 tokens. `RankGroup` is what the trainer needs of the group: `Alone` for one process,
 `DistributedGroup` over a `torch.distributed` process group (gloo on the CPU, NCCL on GPUs).
@@ -15,7 +21,7 @@ tokens. `RankGroup` is what the trainer needs of the group: `Alone` for one proc
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -73,12 +79,31 @@ class RankGroup(Protocol):
         """Every rank's `value` (picklable), in rank order."""
         ...
 
+    def adamw(
+        self, params: list[nn.Parameter], *, sharded: bool, **settings: Any
+    ) -> torch.optim.Optimizer:
+        """AdamW over `params` with `settings`; `sharded`: its state sharded over the ranks
+        (module docstring)."""
+        ...
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """The whole state of an optimizer `adamw` made, on rank 0 (None on the others)."""
+        ...
+
 
 class Alone:
     """The group of one process: every collective is the identity."""
 
     rank = 0
     size = 1
+
+    def adamw(
+        self, params: list[nn.Parameter], *, sharded: bool, **settings: Any
+    ) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, **settings)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        return optimizer.state_dict()
 
     def sum(self, values: Tensor) -> Tensor:
         return values
@@ -143,3 +168,21 @@ class DistributedGroup:
         out: list[T | None] = [None] * self.size
         self._dist.all_gather_object(out, value, group=self._group)
         return cast(list[T], out)
+
+    def adamw(
+        self, params: list[nn.Parameter], *, sharded: bool, **settings: Any
+    ) -> torch.optim.Optimizer:
+        if not sharded or self.size == 1:
+            return torch.optim.AdamW(params, **settings)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            params, optimizer_class=torch.optim.AdamW, process_group=self._group, **settings
+        )
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.consolidate_state_dict(to=0)  # every rank sends its share to rank 0
+        return optimizer.state_dict() if self.rank == 0 else None

@@ -19,9 +19,10 @@ Failure: a rank that dies, or an error that only some ranks raise, ends the grou
 ranks are killed (a collective would wait for the failed one), the call raises `RanksLost`, and
 `check_health` fails from then on, so that the actor role's replica is replaced and restored
 from its checkpoint. An error every rank raises alike (input refused before any collective) is
-raised as it is, and the group goes on. Checkpoints are written by rank 0 (every rank holds the
-same state; tensor-parallel parts are gathered to it) and read by every rank from the same
-path: several hosts need a shared run folder.
+raised as it is, and the group goes on. Checkpoints are written by rank 0 (every data-parallel
+rank holds the same weights; model-parallel parts, and the shares of a sharded optimizer state,
+are gathered to it) and read by every rank from the same path: several hosts need a shared run
+folder.
 """
 
 from __future__ import annotations
@@ -114,10 +115,9 @@ class RankWorker:
         return whole if self._rank == 0 else None
 
     def save(self, path: str, data_position: dict[str, Any] | None) -> None:
-        """Rank 0 writes; the other tensor-parallel ranks of its data-parallel rank give their
-        parts (every data-parallel rank holds the same state)."""
-        if self._data_rank == 0:
-            self.backend.save(path, data_position, write=self._rank == 0)
+        """Rank 0 writes; the other model-parallel ranks of its data-parallel rank give their
+        parts, and the other data-parallel ranks their shares of a sharded optimizer's state."""
+        self.backend.save(path, data_position, write=self._rank == 0)
 
     def load(self, path: str) -> dict[str, Any]:
         return self.backend.load(path)

@@ -501,8 +501,9 @@ class TorchTrainerBackend:
             initial = load_policy(self.model_path, self.config).module
             self.reference = nn.Module.to(initial, self.device).eval().requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = self.ranks.adamw(
             params,
+            sharded=self.config.distributed_optimizer,
             lr=self.config.lr,
             betas=self.config.betas,
             eps=self.config.adam_eps,
@@ -681,11 +682,15 @@ class TorchTrainerBackend:
         """Write a checkpoint folder; it appears complete or not at all (written aside, renamed).
 
         `data_position` must be JSON-serializable; it comes back from `load` unchanged. The
-        weights and optimizer state are saved whole (a model-parallel policy's are gathered:
-        every model-parallel rank calls this, and only the one with `write` writes), so any
-        tensor- and pipeline-parallel sizes load them.
+        weights and optimizer state are saved whole (a model-parallel policy's are gathered, a
+        sharded optimizer's state too: every rank calls this, and only the one with `write`
+        writes), so any data-, tensor- and pipeline-parallel sizes load them.
         """
-        optimizer = self._optimizer_state(whole=True)
+        whole_state = self.ranks.optimizer_state(self.optimizer)
+        if self.ranks.rank != 0:  # the first data-parallel rank's model-parallel ranks save
+            return
+        assert whole_state is not None
+        optimizer = self._whole_optimizer_state(whole_state)
         if not write:
             self.policy.save_weights(None)
             return
@@ -719,7 +724,7 @@ class TorchTrainerBackend:
             )
         self.policy.load_weights(path / MODEL_FILE, self.device)
         opt = torch.load(path / OPTIMIZER_FILE, map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(self._optimizer_state(whole=False, saved=opt["optimizer"]))
+        self.optimizer.load_state_dict(self._local_optimizer_state(opt["optimizer"]))
         self.scheduler.load_state_dict(opt["scheduler"])
         self.version = int(state["version"])
         data_position: dict[str, Any] = state["data_position"]
@@ -739,23 +744,23 @@ class TorchTrainerBackend:
             self.policy.save_hf(tmp)
             tokenizer.save_pretrained(tmp)
 
-    def _optimizer_state(
-        self, *, whole: bool, saved: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """The optimizer's state as the whole model's (`whole`: to save; every rank calls this):
-        entries indexed by `PolicyModel.whole_names`, each tensor whole; or, from a `saved`
-        whole state, this rank's (its parameters, its parts)."""
+    def _whole_optimizer_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The optimizer's `state` (over this rank's parameters) as the whole model's: entries
+        indexed by `PolicyModel.whole_names`, each tensor whole. Every model-parallel rank calls
+        this."""
         names = [name for name, p in self.model.named_parameters() if p.requires_grad]
-        if saved is None:
-            state = self.optimizer.state_dict()
-            local = {names[int(i)]: entry for i, entry in state["state"].items()}
-            order = self.policy.whole_names()
-            entries = self.policy.whole_state(local)
-            index = {name: i for i, name in enumerate(order)}
-            return {
-                "state": {index[name]: entry for name, entry in entries.items()},
-                "param_groups": _with_params(state["param_groups"], len(order)),
-            }
+        local = {names[int(i)]: entry for i, entry in state["state"].items()}
+        order = self.policy.whole_names()
+        entries = self.policy.whole_state(local)
+        index = {name: i for i, name in enumerate(order)}
+        return {
+            "state": {index[name]: entry for name, entry in entries.items()},
+            "param_groups": _with_params(state["param_groups"], len(order)),
+        }
+
+    def _local_optimizer_state(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """`_whole_optimizer_state` undone: this rank's parameters' entries, their parts."""
+        names = [name for name, p in self.model.named_parameters() if p.requires_grad]
         order = self.policy.whole_names()
         by_name = {order[int(i)]: entry for i, entry in saved["state"].items()}
         mine = self.policy.local_state(by_name, names)

@@ -1,6 +1,6 @@
 """Data-parallel ranks (`trainer/data_parallel.py`): two processes over gloo, each training its
 own rows of a batch, take the steps one process takes on the whole batch; every row is trained
-by exactly one rank."""
+by exactly one rank; with the optimizer's state sharded, each holds part of it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.data_parallel import shard_rows
+from omniloop.trainer.torch_backend import TorchTrainerBackend
 
 EXACT = 1e-5
 # Weights after two AdamW steps at lr 1e-3: a gradient near zero, summed in another order, can
@@ -39,14 +41,21 @@ def test_a_rank_outside_the_group_is_refused(make_batch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "rows"),
-    [("torch", [13, 9, 17, 6, 11]), ("megatron", [13, 9, 17, 6, 11]), ("torch", [13])],
-    ids=["torch", "megatron", "torch-one-row"],
+    ("backend", "rows", "sharded"),
+    [
+        ("torch", [13, 9, 17, 6, 11], False),
+        ("megatron", [13, 9, 17, 6, 11], False),
+        ("torch", [13], False),
+        ("torch", [13, 9, 17, 6, 11], True),
+    ],
+    ids=["torch", "megatron", "torch-one-row", "torch-sharded-optimizer"],
 )
 def test_two_data_parallel_ranks_train_as_one_rank_given_every_row(
-    tmp_path: Path, make_batch, rank_script, backend: str, rows: list[int]
+    tmp_path: Path, make_batch, rank_script, backend: str, rows: list[int], sharded: bool
 ) -> None:
-    """(With one row, the second rank has none and still takes its part in the step.)"""
+    """(With one row, the second rank has none and still takes its part in the step. With the
+    optimizer's state sharded, each rank holds a part of it, and their checkpoint holds it
+    whole.)"""
     batch = make_batch(rows, advantages=[1.0, -0.7, 0.4, -0.2, 0.9][: len(rows)], seed=7)
     batch = batch.replace(ids=tuple(f"row-{i}" for i in range(len(rows))))
     torch.save(batch, tmp_path / "batch.pt")
@@ -58,7 +67,7 @@ def test_two_data_parallel_ranks_train_as_one_rank_given_every_row(
         subprocess.Popen(
             [
                 *(sys.executable, str(script), str(rank), "2", str(tmp_path / "store")),
-                *(str(tmp_path / "batch.pt"), backend, str(out)),
+                *(str(tmp_path / "batch.pt"), backend, str(out), "1" if sharded else "0"),
             ]
         )
         for rank in range(2)
@@ -78,3 +87,17 @@ def test_two_data_parallel_ranks_train_as_one_rank_given_every_row(
         assert (rank["after"] - one["after"]).abs().max() < EXACT
         for name, weight in one["weights"].items():
             torch.testing.assert_close(rank["weights"][name], weight, atol=STEPPED, rtol=0)
+
+    held = [rank["optimizer_bytes"] for rank in seen]
+    if sharded:
+        # Whole parameters, balanced by size: the tiny model's embedding, most of it, on one.
+        assert sum(held) == one["optimizer_bytes"], "each parameter's state on one rank"
+        assert min(held) > 0, held
+    else:
+        assert held == [one["optimizer_bytes"]] * 2
+    resumed = TorchTrainerBackend("tiny", TrainerConfig(device="cpu", backend=backend))
+    assert resumed.load(f"{out}.checkpoint") == {"step": 2}
+    for name, weight in resumed.named_weights():
+        assert torch.equal(weight, seen[0]["weights"][name]), name
+    state = resumed.optimizer.state_dict()["state"]
+    assert len(state) == len(list(resumed.model.parameters()))
