@@ -12,12 +12,12 @@ template does not), using the model's own special tokens. Nothing here touches t
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omniloop.cache import cache_root
 from omniloop.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -76,9 +76,8 @@ CHATML_TOOLS_TEMPLATE = (
 
 
 def cache_dir() -> Path:
-    """Where converted models live: `$OMNILOOP_CACHE/models`, default `~/.cache/omniloop/models`."""
-    root = os.environ.get("OMNILOOP_CACHE") or Path.home() / ".cache" / "omniloop"
-    return Path(root) / "models"
+    """Where converted models live: `models` in the cache folder (`omniloop.cache`)."""
+    return cache_root() / "models"
 
 
 def smollm2_gguf_path() -> Path:

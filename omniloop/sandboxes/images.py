@@ -29,6 +29,7 @@ from typing import Any, Literal
 from docker.api.client import APIClient
 from docker.errors import APIError, DockerException, ImageNotFound
 
+from omniloop.cache import cache_root
 from omniloop.errors import SandboxError
 
 logger = logging.getLogger(__name__)
@@ -51,9 +52,8 @@ BaseChoice = Literal["auto", "public", "debootstrap", "busybox"]
 
 
 def cache_dir() -> Path:
-    """Where base tarballs are kept: `$OMNILOOP_CACHE_DIR`, else `~/.cache/omniloop`."""
-    root = os.environ.get("OMNILOOP_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "omniloop"
+    """Where base tarballs are kept: the cache folder (`omniloop.cache`)."""
+    return cache_root()
 
 
 def dockerfile_dir() -> Path:
