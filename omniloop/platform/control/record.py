@@ -83,8 +83,13 @@ class RunRecord:
         self._bars[step] = self._progress.add_task(f"step {step + 1}", total=total)
 
     def episodes_done(self, step: int, count: int) -> None:
-        """Advance `step`'s bar by `count` finished episodes."""
-        self._progress.advance(self._bars[step], count)
+        """Advance `step`'s bar by `count` finished episodes; episodes past its total (dynamic
+        sampling's extra groups) grow the total."""
+        bar = self._bars[step]
+        task = next(task for task in self._progress.tasks if task.id == bar)
+        if task.total is not None and task.completed + count > task.total:
+            self._progress.update(bar, total=task.completed + count)
+        self._progress.advance(bar, count)
 
     async def step(
         self,
