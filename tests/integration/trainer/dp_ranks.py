@@ -74,14 +74,10 @@ def alone(backend: str, data: TrainBatch) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from gloo_world import gloo_world  # a sibling of this script
 
     rank, world, store, batch, backend, out, sharded = sys.argv[1:8]
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world)
-    )
-    data = torch.load(batch, weights_only=False)
-    seen = run(backend, data, DistributedGroup(), sharded == "1", Path(f"{out}.checkpoint"))
-    torch.save(seen, f"{out}.{rank}")
-    dist.destroy_process_group()
+    with gloo_world(rank, world, store):
+        data = torch.load(batch, weights_only=False)
+        seen = run(backend, data, DistributedGroup(), sharded == "1", Path(f"{out}.checkpoint"))
+        torch.save(seen, f"{out}.{rank}")

@@ -54,16 +54,12 @@ def run(
 
 
 if __name__ == "__main__":
-    import torch.distributed as dist
+    from gloo_world import gloo_world  # a sibling of this script
 
     rank, world, store, batch, out, checkpoints, stages = sys.argv[1:8]
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=int(rank), world_size=int(world)
-    )
-    data = torch.load(batch, weights_only=False)
-    tensor_parallel = int(world) // int(stages)
-    seen = run(tensor_parallel, int(stages), data, Path(checkpoints), int(rank))
-    if rank == "0":
-        torch.save(seen, out)
-    dist.destroy_process_group()
+    with gloo_world(rank, world, store):
+        data = torch.load(batch, weights_only=False)
+        tensor_parallel = int(world) // int(stages)
+        seen = run(tensor_parallel, int(stages), data, Path(checkpoints), int(rank))
+        if rank == "0":
+            torch.save(seen, out)
