@@ -7,13 +7,14 @@ peak resident memory is its own: one warm-up step, then the median of `--steps` 
 `train_step`s. The backends alternate (torch, megatron, torch, megatron) and each one's time is
 the median of its rounds, so a change in the machine's load between them shows in both.
 
-`megatron_tp2_step_s`: megatron with two tensor-parallel ranks, as a run's actor drives them
-(`RankedTrainer`: two rank processes over gloo, one thread each, under a local Ray); its peak
-memory is not reported (it is spread over the rank processes). null, with megatron's reason in
-`megatron_tp2_error`, for a model whose heads do not split in two (SmolLM2-135M has 9).
+`megatron_tp2_step_s`, `megatron_pp2_step_s`: megatron with two tensor-parallel ranks, and
+with two pipeline stages, as a run's actor drives them (`RankedTrainer`: two rank processes
+over gloo, one thread each, under a local Ray); their peak memory is not reported (it is spread
+over the rank processes). null, with megatron's reason in `megatron_tp2_error` (or `_pp2_`),
+for a model that does not split so (SmolLM2-135M's 9 heads do not split in two).
 
 Prints ONE JSON line: `torch_step_s`, `megatron_tp1_step_s`, `megatron_tp2_step_s`,
-`megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb`.
+`megatron_pp2_step_s`, `megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb`.
 
     .venv/bin/python bench/trainer_backends.py [--model smollm2] [--steps 3] [--rounds 2]
 """
@@ -28,6 +29,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+RANKED = {"megatron_tp2": {"tensor_parallel": 2}, "megatron_pp2": {"pipeline_parallel": 2}}
+"""Megatron's layouts over two rank processes."""
 
 
 def one(backend: str, model: str, steps: int) -> dict[str, float]:
@@ -52,13 +56,13 @@ def one(backend: str, model: str, steps: int) -> dict[str, float]:
         advantages=torch.linspace(-1, 1, rows)[:, None] * loss_mask,
     )
     settings: dict[str, object] = {"lr": 1e-5, "micro_batch_size": rows, "device": "cpu"}
-    if backend == "megatron_tp2":
+    if backend in RANKED:
         import ray
 
         from omniloop.trainer.backend import make_backend
 
         ray.init(address="local", num_cpus=2, include_dashboard=False)
-        settings |= {"backend": "megatron", "megatron": {"tensor_parallel": 2}}
+        settings |= {"backend": "megatron", "megatron": RANKED[backend]}
         config = TrainerConfig.model_validate(settings)
         trainer = make_backend(model, config)
     else:
@@ -95,18 +99,19 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.model, args.steps)))
         return
-    results: dict[str, list[dict[str, float]]] = {"torch": [], "megatron": [], "megatron_tp2": []}
-    tp2_error = None
+    backends = ["torch", "megatron", *RANKED]
+    results: dict[str, list[dict[str, float]]] = {backend: [] for backend in backends}
+    errors: dict[str, str] = {}
     for _ in range(args.rounds):
-        for backend in results:
-            if backend == "megatron_tp2" and tp2_error is not None:
+        for backend in backends:
+            if backend in errors:
                 continue
             try:
                 results[backend].append(run_one(backend, args.model, args.steps))
             except RuntimeError as error:
-                if backend != "megatron_tp2":
+                if backend not in RANKED:
                     raise
-                tp2_error = str(error)
+                errors[backend] = str(error)
     step = {b: statistics.median(r["step_s"] for r in rs) for b, rs in results.items() if rs}
     peak = {b: max(r["peak_gb"] for r in rs) for b, rs in results.items() if rs}
     print(
@@ -116,10 +121,11 @@ def main() -> None:
                 "model": args.model,
                 "torch_step_s": round(step["torch"], 3),
                 "megatron_tp1_step_s": round(step["megatron"], 3),
-                "megatron_tp2_step_s": round(step["megatron_tp2"], 3)
-                if tp2_error is None
-                else None,
-                "megatron_tp2_error": tp2_error,
+                **{
+                    f"{backend}_step_s": round(step[backend], 3) if backend in step else None
+                    for backend in RANKED
+                },
+                **{f"{backend}_error": errors.get(backend) for backend in RANKED},
                 "megatron_over_torch": round(step["megatron"] / step["torch"], 3),
                 "torch_peak_gb": round(peak["torch"], 2),
                 "megatron_peak_gb": round(peak["megatron"], 2),
