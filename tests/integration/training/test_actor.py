@@ -230,18 +230,18 @@ async def _one_step(plane: DataPlane, step: int, config: RunConfig, backend: Tra
 @pytest.mark.parametrize(
     ("first_step", "ranks", "rows_max"),
     [
-        (20, {"data_parallel": 2}, 3),
+        (20, {"data_parallel": 2, "distributed_optimizer": True}, 3),
         (30, {"backend": "megatron", "megatron": {"pipeline_parallel": 2}}, 5),
     ],
-    ids=["torch-data-parallel-2", "megatron-pipeline-2"],
+    ids=["torch-data-parallel-2-sharded-optimizer", "megatron-pipeline-2"],
 )
 async def test_the_actor_s_ranks_train_each_row_once_as_one_rank(
     plane: DataPlane, tmp_path, first_step: int, ranks: dict[str, object], rows_max: int
 ) -> None:
-    """Two rank processes (`RankedTrainer`) under the actor: two data-parallel ranks split the
-    rows of a step, every row once (two pipeline stages share them); the weights after
-    the step are one rank's given every row; a checkpoint of the ranks loads into one rank; a
-    rank that dies ends the group, by name."""
+    """Two rank processes (`RankedTrainer`) under the actor: two data-parallel ranks (their
+    optimizer state sharded) split the rows of a step, every row once (two pipeline stages
+    share them); the weights after the step are one rank's given every row; a checkpoint of
+    the ranks loads into one rank; a rank that dies ends the group, by name."""
     single = {"device": "cpu", "lr": 1e-3, "micro_batch_size": 2}
     ranked = TrainerConfig.model_validate({**single, **ranks})
     one_rank = TrainerConfig.model_validate({**single, "backend": ranked.backend})
