@@ -9,9 +9,10 @@ the median of its rounds, so a change in the machine's load between them shows i
 
 `megatron_tp2_step_s`, `megatron_pp2_step_s`: megatron with two tensor-parallel ranks, and
 with two pipeline stages, as a run's actor drives them (`RankedTrainer`: two rank processes
-over gloo, one thread each, under a local Ray); their peak memory is not reported (it is spread
-over the rank processes). null, with megatron's reason in `megatron_tp2_error` (or `_pp2_`),
-for a model that does not split so (SmolLM2-135M's 9 heads do not split in two).
+over gloo, one thread each, under a local Ray); their peak memory is each rank process's peak
+resident set (`megatron_tp2_rank_peak_gb`, a list). null, with megatron's reason in
+`megatron_tp2_error` (or `_pp2_`), for a model that does not split so (SmolLM2-135M's 9 heads
+do not split in two).
 
 Prints ONE JSON line: `torch_step_s`, `megatron_tp1_step_s`, `megatron_tp2_step_s`,
 `megatron_pp2_step_s`, `megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb`.
@@ -29,12 +30,13 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 RANKED = {"megatron_tp2": {"tensor_parallel": 2}, "megatron_pp2": {"pipeline_parallel": 2}}
 """Megatron's layouts over two rank processes."""
 
 
-def one(backend: str, model: str, steps: int) -> dict[str, float]:
+def one(backend: str, model: str, steps: int) -> dict[str, object]:
     """Time `steps` train steps of `backend` in this process (after a warm-up step)."""
     import torch
 
@@ -75,17 +77,34 @@ def one(backend: str, model: str, steps: int) -> dict[str, float]:
         trainer.train_step(batch)
         times.append(time.perf_counter() - started)
     peak_gb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"step_s": statistics.median(times), "peak_gb": peak_gb}
+    out: dict[str, object] = {"step_s": statistics.median(times), "peak_gb": peak_gb}
+    if backend in RANKED:
+        out["rank_peak_gb"] = rank_peaks_gb()
+    return out
 
 
-def run_one(backend: str, model: str, steps: int) -> dict[str, float]:
+def rank_peaks_gb() -> list[float]:
+    """The peak resident set of each rank process (Ray titles them `ray::RankWorker…`)."""
+    import psutil
+
+    peaks = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if any("RankWorker" in part for part in proc.info["cmdline"] or []):
+            with open(f"/proc/{proc.pid}/status") as status:
+                for line in status:
+                    if line.startswith("VmHWM:"):
+                        peaks.append(round(int(line.split()[1]) / 2**20, 2))
+    return sorted(peaks)
+
+
+def run_one(backend: str, model: str, steps: int) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", backend, "--model", model, "--steps", str(steps)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         # e.g. SmolLM2's 9 attention heads do not split over two tensor-parallel ranks
         errors = [line for line in done.stderr.splitlines() if "Error: " in line]
         raise RuntimeError(errors[-1] if errors else done.stderr[-500:])
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -100,7 +119,7 @@ def main() -> None:
         print(json.dumps(one(args.one, args.model, args.steps)))
         return
     backends = ["torch", "megatron", *RANKED]
-    results: dict[str, list[dict[str, float]]] = {backend: [] for backend in backends}
+    results: dict[str, list[dict[str, Any]]] = {backend: [] for backend in backends}
     errors: dict[str, str] = {}
     for _ in range(args.rounds):
         for backend in backends:
@@ -126,6 +145,11 @@ def main() -> None:
                     for backend in RANKED
                 },
                 **{f"{backend}_error": errors.get(backend) for backend in RANKED},
+                **{
+                    f"{backend}_rank_peak_gb": results[backend][-1]["rank_peak_gb"]
+                    for backend in RANKED
+                    if results[backend]
+                },
                 "megatron_over_torch": round(step["megatron"] / step["torch"], 3),
                 "torch_peak_gb": round(peak["torch"], 2),
                 "megatron_peak_gb": round(peak["megatron"], 2),

@@ -17,7 +17,7 @@ Every other weight is renamed only. Round trips are exact (the same bytes come b
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,11 +117,25 @@ def _layer_names(i: int) -> tuple[str, str]:
     return f"model.layers.{i}.", f"decoder.layers.{i}."
 
 
-def to_megatron(hf: Mapping[str, Tensor], shape: GPTShape) -> dict[str, Tensor]:
-    """A Hugging Face state dict (`model.…`, `lm_head.weight`) as `GPTModel`'s."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
+def to_megatron(
+    hf: Mapping[str, Tensor],
+    shape: GPTShape,
+    layers: range | None = None,
+    wanted: Callable[[str], bool] = lambda name: True,
+) -> dict[str, Tensor]:
+    """A Hugging Face state dict (`model.…`, `lm_head.weight`) as `GPTModel`'s: the decoder
+    layers `layers` (default: all) and those of the other weights (embedding, final norm,
+    output layer) whose `GPTModel` name `wanted` accepts. `hf` is read only for those, so it
+    may load tensors as they are read."""
+    ends = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+    }
+    if not shape.tied:
+        ends["output_layer.weight"] = "lm_head.weight"
+    out = {name: hf[hf_name] for name, hf_name in ends.items() if wanted(name)}
     rows = (shape.heads_per_group * shape.head_dim, shape.head_dim, shape.head_dim)
-    for i in range(shape.layers):
+    for i in layers if layers is not None else range(shape.layers):
         h, m = _layer_names(i)
         attn = f"{h}self_attn."
         for suffix in ("weight", "bias") if shape.qkv_bias else ("weight",):
@@ -140,9 +154,6 @@ def to_megatron(hf: Mapping[str, Tensor], shape: GPTShape) -> dict[str, Tensor]:
             [hf[f"{h}mlp.gate_proj.weight"], hf[f"{h}mlp.up_proj.weight"]]
         )
         out[f"{m}mlp.linear_fc2.weight"] = hf[f"{h}mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not shape.tied:
-        out["output_layer.weight"] = hf["lm_head.weight"]
     return out
 
 

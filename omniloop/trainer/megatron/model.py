@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -202,7 +202,6 @@ class MegatronPolicy:
 
         `gradient_checkpointing`: megatron's full recompute, one layer at a time (it saves and
         restores CUDA RNG states, so it needs a GPU)."""
-        import safetensors.torch
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from transformers import AutoConfig
@@ -254,12 +253,11 @@ class MegatronPolicy:
             pre_process=stages.first,
             post_process=stages.last,
         )
-        hf_state: dict[str, Tensor] = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            hf_state.update(safetensors.torch.load_file(str(file)))
-        if shape.tied:
-            hf_state.pop("lm_head.weight", None)
-        whole = stages.local_weights(to_megatron(hf_state, shape))
+        # Only this stage's tensors are read from the files.
+        hf_state = _SafetensorsFolder(Path(path))
+        whole = stages.local_weights(
+            to_megatron(hf_state, shape, stages.layer_range, wanted=stages.holds)
+        )
         parts = {name: shard(name, t, rank, tensor_parallel) for name, t in whole.items()}
         missing, unexpected = gpt.load_state_dict(parts, strict=False)
         missing = [k for k in missing if not k.endswith("._extra_state")]
@@ -406,6 +404,31 @@ class MegatronPolicy:
             for name, param in self.module.gpt.named_parameters():
                 whole = saved[f"gpt.{self.stages.source_name(name)}"]
                 param.copy_(self._rank_part(name, whole))
+
+
+class _SafetensorsFolder(Mapping[str, Tensor]):
+    """The tensors of a folder's safetensors files, each read when it is looked up."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        self._files: dict[str, Path] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as tensors:
+                self._files.update(dict.fromkeys(tensors.keys(), file))
+
+    def __getitem__(self, name: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), "pt") as tensors:
+            tensor: Tensor = tensors.get_tensor(name)
+            return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 def _per_element(value: Any) -> bool:

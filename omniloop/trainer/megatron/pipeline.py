@@ -84,6 +84,18 @@ class Stages:
 
     # -- names ---------------------------------------------------------------------------------
 
+    @property
+    def layer_range(self) -> range:
+        """The whole model's layers this stage holds."""
+        return range(self.index * self.layers, (self.index + 1) * self.layers)
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage holds (or copies) the whole model's weight `name`, one outside the
+        layers: the embedding, the final norm, the output layer."""
+        if name == EMBEDDING:
+            return self.first or self.duplicates_embedding
+        return self.last
+
     def global_name(self, name: str) -> str | None:
         """The whole model's name for this stage's weight `name`; None for the embedding's copy
         (saved once, as the embedding)."""
