@@ -28,7 +28,7 @@ class ApiServer:
         from sqlalchemy import create_engine
 
         from omniloop.platform.api.settings import ApiSettings
-        from omniloop.platform.control.services import enter_run_folder
+        from omniloop.platform.control.replica import enter_run_folder
 
         # The run's model may be a path relative to the controller's folder.
         enter_run_folder(cwd, paths)

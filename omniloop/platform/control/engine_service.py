@@ -45,7 +45,7 @@ class EngineServer:
         from ray import serve
 
         from omniloop.platform.control.engines import spawn_engine, wait_healthy
-        from omniloop.platform.control.services import enter_run_folder
+        from omniloop.platform.control.replica import enter_run_folder
         from omniloop.processes import stop_process
 
         enter_run_folder(cwd, paths)

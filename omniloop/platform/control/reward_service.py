@@ -53,7 +53,7 @@ class RewardServer:
         paths: list[str],
     ) -> None:
         from omniloop.platform.control.components import build_rewards
-        from omniloop.platform.control.services import enter_run_folder
+        from omniloop.platform.control.replica import enter_run_folder
 
         enter_run_folder(cwd, paths)
         self._fns = {fn.name: fn for fn in map(as_reward_fn, build_rewards(specs))}

@@ -45,7 +45,7 @@ class SandboxServer:
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
         import ray
 
-        from omniloop.platform.control.services import enter_run_folder
+        from omniloop.platform.control.replica import enter_run_folder
         from omniloop.sandboxes.factory import resolve_backend
         from omniloop.sandboxes.local import start_sandboxd
 

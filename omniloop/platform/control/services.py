@@ -65,7 +65,7 @@ from ray.exceptions import (
     ActorUnschedulableError,
     RayActorError,
 )
-from ray.serve import Application
+from ray.serve import Application, RunTarget
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -86,6 +86,7 @@ from omniloop.platform.control.engine_service import EngineServer
 from omniloop.platform.control.faults import Failure, FaultTimeline, Retry
 from omniloop.platform.control.health import HealthMonitor
 from omniloop.platform.control.local import ScoringRole, StepRollout, scoring_roles
+from omniloop.platform.control.replica import enter_run_folder
 from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.sandbox_service import SandboxServer
@@ -114,15 +115,6 @@ def classify_failure(err: BaseException) -> tuple[Failure, str] | None:
     if isinstance(err, ReplicaUnavailableError | DeploymentUnavailableError):
         return "lost", ""
     return None
-
-
-def enter_run_folder(cwd: str, paths: list[str]) -> None:
-    """Work from the controller's folder with its import path, so that relative paths and
-    `file.py:name` components resolve in a replica exactly as in the controller."""
-    os.chdir(cwd)
-    for entry in reversed(paths):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
 
 
 def _check_data_plane() -> None:
@@ -554,7 +546,7 @@ async def service_roles(
     )(CriticServer).bind(config, cwd, paths)
     scorers = scoring_roles(config)
     with_critic = config.trainer.critic is not None
-    scorer_apps = {
+    scorer_apps: dict[str, Application] = {
         role: serve.deployment(
             name=role, num_replicas=1, max_ongoing_requests=64, **role_options(config, role)
         )(ScorerServer).bind(role, config, cwd, paths)
@@ -589,7 +581,19 @@ async def service_roles(
         name="api", num_replicas=1, max_ongoing_requests=256, **role_options(config, "api")
     )(serve.ingress()(ApiServer)).bind(config, os.environ.get("OMNILOOP_API_TOKEN"), cwd, paths)
 
-    def deploy() -> tuple[DeploymentHandle, ...]:
+    apps: dict[str, Application] = {
+        "actor": actor_app,
+        "engine": engine_app,
+        "reward": reward_app,
+        "sandbox": sandbox_app,
+        **scorer_apps,
+        **({"critic": critic_app} if with_critic else {}),
+        "rollout": rollout_app,
+        "advantage": advantage_app,
+        **({"api": api_app} if settings.api else {}),
+    }
+
+    def deploy() -> dict[str, DeploymentHandle]:
         # The driver's Serve logger says "Application ... is ready" and the like at INFO.
         logging.getLogger("ray.serve").setLevel(logging.WARNING)
         _forget_serve_client()
@@ -599,27 +603,26 @@ async def service_roles(
                 http_options={"host": settings.api_host, "port": api_port},
                 logging_config=SERVE_LOGGING,
             )
-            serve.run(api_app, name="api", route_prefix="/", logging_config=SERVE_LOGGING)
         else:
             serve.start(proxy_location="Disabled", logging_config=SERVE_LOGGING)
-        actor = serve.run(actor_app, name="actor", route_prefix=None, logging_config=SERVE_LOGGING)
-        serve.run(engine_app, name="engine", route_prefix=None, logging_config=SERVE_LOGGING)
-        serve.run(reward_app, name="reward", route_prefix=None, logging_config=SERVE_LOGGING)
-        serve.run(sandbox_app, name="sandbox", route_prefix=None, logging_config=SERVE_LOGGING)
-        for role, app in scorer_apps.items():
-            serve.run(app, name=role, route_prefix=None, logging_config=SERVE_LOGGING)
-        if with_critic:
-            serve.run(critic_app, name="critic", route_prefix=None, logging_config=SERVE_LOGGING)
-        return (
-            actor,
-            serve.run(rollout_app, name="rollout", route_prefix=None, logging_config=SERVE_LOGGING),
-            serve.run(
-                advantage_app, name="advantage", route_prefix=None, logging_config=SERVE_LOGGING
-            ),
+        # All at once: the replicas start side by side, and one that needs another role (an
+        # engine registering with the actor, a rollout's handles) waits for it through Serve.
+        handles = serve.run_many(
+            [
+                RunTarget(
+                    app,
+                    name=name,
+                    route_prefix="/" if name == "api" else None,
+                    logging_config=SERVE_LOGGING,
+                )
+                for name, app in apps.items()
+            ]
         )
+        return dict(zip(apps, handles, strict=True))
 
     try:
-        actor, rollout, advantage = await asyncio.to_thread(deploy)
+        handles = await asyncio.to_thread(deploy)
+        actor, rollout, advantage = handles["actor"], handles["rollout"], handles["advantage"]
         version = await actor.adopt.remote()
         if settings.api:
             console.print(

@@ -8,14 +8,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
-from typing import Any, Protocol, TypeVar
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from omniloop.errors import EngineError
 from omniloop.inference.client import EngineClient
 from omniloop.platform.dcs.config import UpdateMode
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ def nbytes_of(named: Iterable[tuple[str, Tensor]]) -> int:
 def pack_into(bucket: Sequence[tuple[str, Tensor]], flat: Tensor) -> None:
     """Copy the bucket's tensors' bytes, in order and back to back, into the uint8 `flat`
     (exactly `nbytes_of(bucket)` long)."""
+    import torch
+
     offset = 0
     for _, tensor in bucket:
         nbytes = tensor.numel() * tensor.element_size()
