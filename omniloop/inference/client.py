@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Literal, Protocol
 
-import httpx
 from tenacity import (
     AsyncRetrying,
     retry_if_exception_type,
@@ -35,6 +34,7 @@ from tenacity import (
 )
 
 from omniloop.errors import EngineError
+from omniloop.http_client import HttpClient, HttpResponse, HttpTransportError
 from omniloop.inference.base import GenerateOutput, SamplingParams
 from omniloop.inference.protocol import (
     GenerateResponse,
@@ -198,20 +198,14 @@ class EngineClient:
         timeout: float = 600.0,
         *,
         retries: int = 3,
-        transport: httpx.AsyncBaseTransport | None = None,
         media_encoder: MediaEncoder = media_fields,
     ) -> None:
         """`media_encoder`: the form media are sent in (module docstring)."""
         self.base_url = base_url.rstrip("/")
         self._retries = retries
         self._media_encoder = media_encoder
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-            # Rollout sends many generations at once; the engine batches them.
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-            transport=transport,
-        )
+        # Rollout sends many generations at once (up to the pool's 256); the engine batches them.
+        self._http = HttpClient(self.base_url, timeout=timeout, connect_timeout=min(timeout, 10.0))
 
     async def __aenter__(self) -> EngineClient:
         return self
@@ -229,30 +223,30 @@ class EngineClient:
 
     # -- transport --------------------------------------------------------------------------
 
-    async def _send(self, method: str, path: str, json: Any = None) -> httpx.Response:
+    async def _send(self, method: str, path: str, json: Any = None) -> HttpResponse:
         try:
             return await self._http.request(method, path, json=json)
-        except httpx.HTTPError as err:
-            raise EngineError(f"{method} {self.base_url}{path}: {err!r}") from err
+        except HttpTransportError as err:
+            raise EngineError(str(err)) from err
 
-    async def _get_idempotent(self, path: str) -> httpx.Response:
+    async def _get_idempotent(self, path: str) -> HttpResponse:
         """GET with retries on transport errors (safe: the call changes nothing)."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._retries),
             wait=wait_exponential(multiplier=0.2, max=2.0),
-            retry=retry_if_exception_type(httpx.TransportError),
+            retry=retry_if_exception_type(HttpTransportError),
             reraise=True,
         )
         try:
             async for attempt in retrying:
                 with attempt:
                     return await self._http.get(path)
-        except httpx.HTTPError as err:
-            raise EngineError(f"GET {self.base_url}{path}: {err!r}") from err
+        except HttpTransportError as err:
+            raise EngineError(str(err)) from err
         raise AssertionError("unreachable: tenacity re-raises the last error")
 
     @staticmethod
-    def _check(what: str, response: httpx.Response) -> httpx.Response:
+    def _check(what: str, response: HttpResponse) -> HttpResponse:
         if response.status_code >= 400:
             raise EngineHTTPError(what, response.status_code, response.text)
         return response

@@ -25,9 +25,8 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import httpx
-
 from omniloop.errors import EngineError
+from omniloop.http_client import HttpTransportError
 from omniloop.inference.base import Engine, GenerateOutput, SamplingParams
 from omniloop.inference.client import EngineClient, MediaEncoder, media_fields
 from omniloop.modalities.media import MediaData
@@ -43,7 +42,7 @@ MAX_SESSIONS = 100_000
 
 def unreachable(err: EngineError) -> bool:
     """Whether `err` means the engine could not be reached (not that it refused the request)."""
-    return isinstance(err.__cause__, httpx.TransportError)
+    return isinstance(err.__cause__, HttpTransportError)
 
 
 class EngineRouter:

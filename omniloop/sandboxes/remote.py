@@ -22,9 +22,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
-
 from omniloop.errors import SandboxError, SandboxLost
+from omniloop.http_client import HttpClient, HttpResponse, HttpTransportError
 from omniloop.sandboxes.base import ExecResult
 from omniloop.sandboxes.config import SandboxConfig, SandboxLimits
 
@@ -32,7 +31,7 @@ _RETRIES = 4
 _RETRY_STATUS = (502, 503, 504)
 
 
-def _detail(response: httpx.Response) -> str:
+def _detail(response: HttpResponse) -> str:
     try:
         body = response.json()
     except ValueError:
@@ -52,19 +51,12 @@ class SandboxClient:
         token: str | None = None,
         timeout: float = 30.0,
         create_timeout: float = 300.0,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.create_timeout = create_timeout
-        self.http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout),
-            transport=transport,
-            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
-        )
+        self.http = HttpClient(self.base_url, headers=headers, timeout=timeout)
 
     async def __aenter__(self) -> SandboxClient:
         return self
@@ -84,15 +76,13 @@ class SandboxClient:
         retries: int = _RETRIES,
         timeout: float | None = None,
         **kwargs: Any,
-    ) -> httpx.Response:
+    ) -> HttpResponse:
         """One API call, retried on transport errors and 502/503/504 (callers make it safe)."""
         delay = 0.1
         for attempt in range(retries + 1):
             try:
-                response = await self.http.request(
-                    method, url, timeout=timeout if timeout is not None else self.timeout, **kwargs
-                )
-            except httpx.TransportError as err:
+                response = await self.http.request(method, url, timeout=timeout, **kwargs)
+            except HttpTransportError as err:
                 if attempt == retries:
                     raise SandboxLost(
                         f"sandboxd at {self.base_url} is unreachable ({method} {url}): {err!r}"
@@ -173,7 +163,7 @@ class RemoteSandbox:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def _check(self, response: httpx.Response, what: str) -> httpx.Response:
+    def _check(self, response: HttpResponse, what: str) -> HttpResponse:
         if response.status_code == 404:
             raise SandboxLost(
                 f"{what} in sandbox {self.id}: sandboxd at {self.client.base_url} no longer "

@@ -679,7 +679,7 @@ def serve(settings: SandboxdSettings, *, fd: int | None = None, log_level: str =
         log_level=log_level,
         access_log=log_level == "info",
         timeout_graceful_shutdown=10,
-        # Longer than a client keeps an idle connection (httpx: 5 s, uvicorn's own default):
+        # Longer than a client keeps an idle connection (`http_client.KEEPALIVE_S`, httpx 5 s):
         # with equal times the server may close a connection the moment a client reuses it,
         # and that request fails unanswered (a run's rollout met it between two steps).
         timeout_keep_alive=30,

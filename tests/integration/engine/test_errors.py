@@ -6,6 +6,8 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from omniloop.errors import EngineError
 from omniloop.inference.base import SamplingParams
@@ -86,7 +88,7 @@ async def test_bad_top_logprobs_num(http: httpx.AsyncClient, extra: dict[str, An
 async def test_client_refuses_an_answer_without_asked_top_logprobs() -> None:
     """An engine that ignores `top_logprobs_num` (an older one) is an error, not silence."""
 
-    def answer(request: httpx.Request) -> httpx.Response:
+    async def answer(request: web.Request) -> web.Response:
         meta = {
             "id": "r",
             "finish_reason": {"type": "length", "length": 1},
@@ -95,10 +97,11 @@ async def test_client_refuses_an_answer_without_asked_top_logprobs() -> None:
             "weight_version": "0",
             "output_token_logprobs": [[-0.5, 7, None]],
         }
-        return httpx.Response(200, json={"text": "", "output_ids": [7], "meta_info": meta})
+        return web.json_response({"text": "", "output_ids": [7], "meta_info": meta})
 
-    transport = httpx.MockTransport(answer)
-    async with EngineClient("http://engine", transport=transport) as client:
+    app = web.Application()
+    app.router.add_post("/generate", answer)
+    async with TestServer(app) as server, EngineClient(str(server.make_url(""))) as client:
         plain = await client.generate([1, 2], SamplingParams(max_new_tokens=1))
         assert plain.top_logprobs is None
         with pytest.raises(EngineError, match="top_logprobs_num=2"):

@@ -167,8 +167,13 @@ async def test_tcp_delivers_the_same_weights_as_a_gloo_broadcast(
     assert metrics["weight_sync/buckets"] >= 4
     assert (metrics["weight_sync/resumed"], metrics["weight_sync/refetched"]) == (0, 0)
     gloo_side, tcp_side = [await outputs(c) for c in clients]
-    # Bitwise: the same tokens and the same logprobs, so the same weights.
-    assert tcp_side == gloo_side
+    # The same tokens, and logprobs equal up to float rounding: the same matmul in two
+    # processes may differ in its last bits (oneDNN promises no results independent of the
+    # operands' memory alignment), while weights that differ anywhere (noise of 0.2) move a
+    # logprob by far more than 1e-3.
+    assert [ids for ids, _ in tcp_side] == [ids for ids, _ in gloo_side]
+    for (_, by_tcp_lps), (_, by_gloo_lps) in zip(tcp_side, gloo_side, strict=True):
+        assert by_tcp_lps == pytest.approx(by_gloo_lps, abs=1e-3)
     assert [ids for ids, _ in tcp_side] == expected
     assert [await c.get_weight_version() for c in clients] == [version, version]
 
