@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -96,13 +98,32 @@ def _sqlite_on_connect(dbapi_connection: Any, connection_record: Any) -> None:
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     try:
-        cursor.execute("PRAGMA journal_mode=WAL")
+        _enter_wal(cursor)
         cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys=ON")
         # In WAL mode NORMAL loses at most the last transactions on power loss, never integrity.
         cursor.execute("PRAGMA synchronous=NORMAL")
     finally:
         cursor.close()
+
+
+def _enter_wal(cursor: Any) -> None:
+    """Switch the database to WAL, trying again while it is locked, up to the busy timeout.
+
+    The switch takes an exclusive lock without waiting on the busy timeout: processes that open
+    a new database file together were refused at once (`database is locked`). Once the file is
+    in WAL mode, the pragma changes nothing and takes no lock."""
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    pause = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as err:
+            if "locked" not in str(err) or time.monotonic() > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 def _sqlite_on_begin(conn: Connection) -> None:

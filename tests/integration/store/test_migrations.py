@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import sqlite3
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from omniloop.platform.store import (
     Store,
     resolve_url,
 )
+from omniloop.platform.store.engine import SQLITE_BUSY_TIMEOUT_MS, _sqlite_on_connect
 from omniloop.platform.store.models import Base
 
 TABLES = {"runs", "episodes", "trajectories", "metrics", "events", "alembic_version"}
@@ -125,6 +127,38 @@ def test_sqlite_connections_use_wal_busy_timeout_and_foreign_keys(tmp_path: Path
             assert conn.execute(text("PRAGMA journal_mode")).scalar() == "wal"
             assert conn.execute(text("PRAGMA foreign_keys")).scalar() == 1
             assert conn.execute(text("PRAGMA busy_timeout")).scalar() == 30_000
+
+
+def _connect_in_child(path: str, barrier: Any, results: Any) -> None:
+    barrier.wait(timeout=30)
+    try:
+        # The store's own set-up of each connection, on a bare sqlite3 connection: through a
+        # SQLAlchemy engine the processes rarely meet at the same instant.
+        connection = sqlite3.connect(path, timeout=SQLITE_BUSY_TIMEOUT_MS / 1000)
+        _sqlite_on_connect(connection, None)
+        results.put(connection.execute("PRAGMA journal_mode").fetchone()[0])
+        connection.close()
+    except BaseException as err:  # reported by the parent
+        results.put(repr(err))
+
+
+def test_processes_opening_a_new_sqlite_file_together_all_get_wal(tmp_path: Path) -> None:
+    """SQLite's switch to WAL takes its lock without waiting out the busy timeout: processes
+    that opened a new file together were refused at once ("database is locked")."""
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(20):  # without the retry, about a third of such rounds failed
+        barrier = ctx.Barrier(3)
+        results = ctx.Queue()
+        path = str(tmp_path / f"round{round_}.db")
+        children = [
+            ctx.Process(target=_connect_in_child, args=(path, barrier, results)) for _ in range(3)
+        ]
+        for child in children:
+            child.start()
+        outcomes = [results.get(timeout=60) for _ in children]
+        for child in children:
+            child.join(timeout=10)
+        assert outcomes == ["wal"] * 3, f"round {round_}"
 
 
 def test_url_comes_from_argument_then_environment_then_default(
