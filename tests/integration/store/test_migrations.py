@@ -68,21 +68,24 @@ def _migrate_in_child(url: str, barrier: Any, results: Any) -> None:
         results.put(repr(err))
 
 
-def test_concurrent_migrations_from_several_processes_all_succeed(db_url: str) -> None:
-    """Services starting together each migrate; the database, not luck, must serialize them."""
-    # fork: the children start with everything imported, so they reach the barrier together.
+def _in_processes_together(target: Any, arg: str, processes: int = 3) -> list[Any]:
+    """What `target(arg, barrier, results)` put in `results`, run in `processes` forked
+    processes that pass a barrier together (fork: they start with everything imported)."""
     ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(3)
+    barrier = ctx.Barrier(processes)
     results = ctx.Queue()
-    children = [
-        ctx.Process(target=_migrate_in_child, args=(db_url, barrier, results)) for _ in range(3)
-    ]
+    children = [ctx.Process(target=target, args=(arg, barrier, results)) for _ in range(processes)]
     for child in children:
         child.start()
     outcomes = [results.get(timeout=60) for _ in children]
     for child in children:
         child.join(timeout=10)
-    assert outcomes == ["ok"] * 3
+    return outcomes
+
+
+def test_concurrent_migrations_from_several_processes_all_succeed(db_url: str) -> None:
+    """Services starting together each migrate; the database, not luck, must serialize them."""
+    assert _in_processes_together(_migrate_in_child, db_url) == ["ok"] * 3
     with Store(db_url) as store:
         assert store.current_revision() == Store.head_revision()
 
@@ -145,19 +148,9 @@ def _connect_in_child(path: str, barrier: Any, results: Any) -> None:
 def test_processes_opening_a_new_sqlite_file_together_all_get_wal(tmp_path: Path) -> None:
     """SQLite's switch to WAL takes its lock without waiting out the busy timeout: processes
     that opened a new file together were refused at once ("database is locked")."""
-    ctx = multiprocessing.get_context("fork")
     for round_ in range(20):  # without the retry, about a third of such rounds failed
-        barrier = ctx.Barrier(3)
-        results = ctx.Queue()
         path = str(tmp_path / f"round{round_}.db")
-        children = [
-            ctx.Process(target=_connect_in_child, args=(path, barrier, results)) for _ in range(3)
-        ]
-        for child in children:
-            child.start()
-        outcomes = [results.get(timeout=60) for _ in children]
-        for child in children:
-            child.join(timeout=10)
+        outcomes = _in_processes_together(_connect_in_child, path)
         assert outcomes == ["wal"] * 3, f"round {round_}"
 
 
