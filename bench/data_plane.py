@@ -67,7 +67,9 @@ async def measure(args: Any) -> dict[str, Any]:
     # int64 ids + int64 mask + fp32 logprobs + int64 versions per token.
     mib = tokens * (8 + 8 + 4 + 8) / 2**20
     temp = tempfile.mkdtemp(prefix="omniloop-bench-ray-", dir="/tmp")
-    reader = DataPlane.start(DataPlaneConfig(ray_temp_dir=temp, max_poll_interval_s=0.02))
+    reader = DataPlane.start(
+        DataPlaneConfig(ray_temp_dir=temp, min_poll_interval_s=0.005, max_poll_interval_s=0.02)
+    )
     writer = DataPlane.start()
     try:
         await one_round(reader, writer, 0, trajectories, args)  # warm-up

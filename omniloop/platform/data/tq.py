@@ -60,7 +60,7 @@ import ray
 import torch
 import transfer_queue as tq
 from omegaconf import DictConfig, OmegaConf
-from pydantic import Field
+from pydantic import Field, model_validator
 from tensordict import TensorDict
 from tensordict.tensorclass import NonTensorStack
 from transfer_queue.client import AsyncTransferQueueClient
@@ -91,7 +91,6 @@ logger = logging.getLogger(__name__)
 _CONTROLLER_NAME = "TransferQueueController"
 _CONTROLLER_NAMESPACE = "transfer_queue"
 _CLOSED_KEY = "closed"
-_MIN_POLL_S = 0.005
 _CONTROLLER_READY_TIMEOUT_S = 60.0
 _STATE_FORMAT = 1
 
@@ -119,9 +118,24 @@ class DataPlaneConfig(StrictModel):
     storage_node_resource: str | None = None
     """A Ray resource that the nodes holding the storage units must offer (a node that will
     not go away, say the head's); None: any node with a CPU, round robin."""
+    min_poll_interval_s: float = Field(default=0.025, gt=0)
+    """First pause of a waiting reader after rows last came (it doubles up to
+    `max_poll_interval_s`). Every check is a round trip to the queue's controller, which each
+    writer's put needs too: readers checking every few milliseconds slowed the rollout's
+    writes by a third on a 2-core machine (`docs/benchmarks.md`)."""
     max_poll_interval_s: float = Field(default=0.05, gt=0)
-    """Longest pause of a waiting reader between two readiness checks (the backoff starts at
-    5 ms): the latency a reader adds when rows trickle in."""
+    """Longest pause of a waiting reader between two readiness checks: the latency a reader
+    adds when rows trickle in."""
+
+    @model_validator(mode="after")
+    def _poll_bounds(self) -> DataPlaneConfig:
+        if self.min_poll_interval_s > self.max_poll_interval_s:
+            raise ValueError(
+                f"min_poll_interval_s={self.min_poll_interval_s:g} is above "
+                f"max_poll_interval_s={self.max_poll_interval_s:g}: set the first no higher "
+                "than the second"
+            )
+        return self
 
 
 @contextlib.contextmanager
@@ -402,7 +416,7 @@ class DataPlane:
         consumed = self._consumed.setdefault(consumer, {}).setdefault(partition, set())
         key = (partition, consumer, tuple(names))
         buffer = await self._take_leftover(key, consumed)
-        delay = _MIN_POLL_S
+        delay = self._config.min_poll_interval_s
         last_progress = time.monotonic()
         try:
             while True:
@@ -428,7 +442,7 @@ class DataPlane:
                         )
                 if rows:
                     last_progress = time.monotonic()
-                    delay = _MIN_POLL_S
+                    delay = self._config.min_poll_interval_s
                     held = {r.id for r in buffer}
                     for row in rows:
                         # Ids consumed before a restore come back from the reset queue.

@@ -66,7 +66,11 @@ def ray_temp_dir() -> Iterator[str]:
 def plane(ray_temp_dir: str) -> Iterator[DataPlane]:
     """The reader side; it starts (and owns) the module's Ray instance and queue."""
     assert not ray.is_initialized()
-    started = DataPlane.start(DataPlaneConfig(ray_temp_dir=ray_temp_dir, max_poll_interval_s=0.02))
+    started = DataPlane.start(
+        DataPlaneConfig(
+            ray_temp_dir=ray_temp_dir, min_poll_interval_s=0.005, max_poll_interval_s=0.02
+        )
+    )
     try:
         yield started
     finally:

@@ -47,7 +47,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def plane() -> Iterator[DataPlane]:
     temp = tempfile.mkdtemp(prefix="omniloop-test-ray-", dir="/tmp")
-    started = DataPlane.start(DataPlaneConfig(ray_temp_dir=temp, max_poll_interval_s=0.02))
+    started = DataPlane.start(
+        DataPlaneConfig(ray_temp_dir=temp, min_poll_interval_s=0.005, max_poll_interval_s=0.02)
+    )
     try:
         yield started
     finally:

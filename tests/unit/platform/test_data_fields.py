@@ -93,3 +93,5 @@ def test_config_rejects_unknown_keys_and_bad_values() -> None:
         load_config(DataPlaneConfig, None, ["num_gpus=1"])
     with pytest.raises(ConfigError):
         load_config(DataPlaneConfig, None, ["max_poll_interval_s=0"])
+    with pytest.raises(ConfigError, match=r"min_poll_interval_s=0.1 is above max_poll_interval"):
+        load_config(DataPlaneConfig, None, ["min_poll_interval_s=0.1"])
