@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,9 +82,19 @@ class EpisodeWriter:
         rewards = [
             math.nan if t.is_infra_failure or t.reward is None else t.reward for t in trajectories
         ]
-        await self._data.put_rollout(step, trajectories, extra={"reward": rewards})
+        # Side by side: the put is round trips to the queue's processes, the record a
+        # transaction in a thread; neither needs the other. Both end before either's error is
+        # raised, so a failed group leaves no write running.
+        writes: list[Awaitable[object]] = [
+            self._data.put_rollout(step, trajectories, extra={"reward": rewards})
+        ]
+        if self._store is not None:
+            writes.append(
+                self._store.record_episodes(self._run_id, trajectories, agent=self._agent)
+            )
+        for outcome in await asyncio.gather(*writes, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
         with (self._out_dir / f"step_{step}.jsonl").open("a") as stream:
             for trajectory in trajectories:
                 write_trajectory(stream, trajectory)
-        if self._store is not None:
-            await self._store.record_episodes(self._run_id, trajectories, agent=self._agent)
