@@ -88,8 +88,9 @@ class ServiceSandboxes:
     """The `SandboxProvider` of a rollout replica: sandboxes from the sandbox role.
 
     `acquire` creates the sandbox at a live replica's endpoint, which it asks the deployment
-    for at most every `ENDPOINT_REUSE_S` (a step's burst of episodes costs one Serve call, and
-    sandboxes still spread over the replicas), waiting up to `wait_s` while no replica answers
+    for at most every `ENDPOINT_REUSE_S` (a step's burst of episodes costs one Serve call, which
+    the acquires that arrive while it is under way share, and sandboxes still spread over the
+    replicas), waiting up to `wait_s` while no replica answers
     (one is being replaced). `release` removes the sandbox (the replica's warm pool refills).
     One HTTP client per replica endpoint is kept; one that reported its replica lost is no
     longer handed out (sandboxes still holding it fail with `SandboxLost` too) and is closed
@@ -106,6 +107,8 @@ class ServiceSandboxes:
         self._retired: list[SandboxClient] = []
         self._latest: tuple[SandboxClient, float] | None = None
         """The client of the endpoint the deployment named last, and when (monotonic)."""
+        self._asking: asyncio.Future[tuple[str, str]] | None = None
+        """The Serve call for an endpoint under way, which concurrent acquires share."""
 
     async def acquire(self) -> Sandbox:
         deadline = time.monotonic() + self._wait_s
@@ -138,8 +141,13 @@ class ServiceSandboxes:
     async def _client(self, timeout: float) -> SandboxClient:
         if self._latest is not None and time.monotonic() - self._latest[1] < self.ENDPOINT_REUSE_S:
             return self._latest[0]
-        endpoint = self._handle.endpoint.remote()
-        url, token = await asyncio.wait_for(_awaited(endpoint), timeout)
+        # One question at a time: the episodes of a burst that all find the endpoint stale
+        # wait for the same answer instead of each sending a Serve call.
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(_awaited(self._handle.endpoint.remote()))
+            # Retrieved here too, for when every waiter gave up before the call failed.
+            self._asking.add_done_callback(lambda task: task.cancelled() or task.exception())
+        url, token = await asyncio.wait_for(asyncio.shield(self._asking), timeout)
         client = self._clients.get(url) or SandboxClient(url, token=token)
         self._clients[url] = client
         self._latest = (client, time.monotonic())
