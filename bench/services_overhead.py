@@ -13,8 +13,10 @@ Prints ONE JSON line: `step_seconds_services`, `step_seconds_in_process`, `ratio
 in process), the episodes per second of each, the median rollout and optimizer-step seconds of
 each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds of each, the CPU seconds per
 measured step spent by each kind of process of the run (`cpu_per_step_*`: the driver, each
-role's replicas, Serve's controller, Ray's daemons, the engine, sandboxes), and the load
-average.
+role's replicas, Serve's controller, Ray's daemons, the engine, sandboxes), the whole
+machine's busy CPU seconds per measured step (`machine_cpu_per_step_*`, from `/proc/stat`:
+what the per-kind figures miss, processes that live less than a sampling period such as a tool
+call's sandbox, and the kernel's own work), and the load average.
 
     .venv/bin/python bench/services_overhead.py [--steps 10] [--rounds 2] [--set KEY=VALUE]
 """
@@ -62,6 +64,8 @@ class CpuSampler:
     def __init__(self, period_s: float = 0.5) -> None:
         self._period_s = period_s
         self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._machine: list[tuple[float, float]] = []
+        """(time, busy CPU seconds of the whole machine since boot) per sample."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -89,7 +93,9 @@ class CpuSampler:
                         seen[process.pid] = (kind, times.user + times.system)
                 except psutil.Error:
                     continue
-            self._samples.append((time.time(), seen))
+            now = time.time()
+            self._samples.append((now, seen))
+            self._machine.append((now, _machine_busy_seconds()))
             self._stop.wait(self._period_s)
 
     def between(self, t0: float, t1: float) -> dict[str, float]:
@@ -105,6 +111,21 @@ class CpuSampler:
             start = before[1] if before is not None and before[0] == kind else 0.0
             spent[kind] = spent.get(kind, 0.0) + max(total - start, 0.0)
         return spent
+
+    def machine_between(self, t0: float, t1: float) -> float:
+        """Busy CPU seconds of the whole machine in the same window as `between`: every
+        process, those too short-lived for the sampler (a tool call's sandbox) and the kernel's
+        own work included."""
+        inside = [busy for at, busy in self._machine if t0 <= at <= t1]
+        return inside[-1] - inside[0] if len(inside) >= 2 else 0.0
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds the machine's cores spent not idle since boot (`/proc/stat`)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(v) for v in stat.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def train_once(
@@ -141,6 +162,7 @@ def main() -> None:
         mode: {"rollout": [], "train": []} for mode in ("in_process", "services")
     }
     cpu: dict[str, dict[str, float]] = {"in_process": {}, "services": {}}
+    machine: dict[str, float] = {"in_process": 0.0, "services": 0.0}
     with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch, CpuSampler() as sampler:
         root = Path(scratch)
         model = warm_start(root / "model")
@@ -152,6 +174,9 @@ def main() -> None:
                 window = sampler.between(metrics[WARMUP_STEPS - 1]["time"], metrics[-1]["time"])
                 for kind, seconds in window.items():
                     cpu[mode][kind] = cpu[mode].get(kind, 0.0) + seconds
+                machine[mode] += sampler.machine_between(
+                    metrics[WARMUP_STEPS - 1]["time"], metrics[-1]["time"]
+                )
                 kept = metrics[WARMUP_STEPS:]
                 steps[mode] += [m["perf/step_seconds"] for m in kept]
                 episodes[mode] += [m["episodes/count"] / m["perf/step_seconds"] for m in kept]
@@ -181,6 +206,10 @@ def main() -> None:
                         if seconds / len(steps[mode]) >= 0.01
                     }
                     for mode, by_kind in cpu.items()
+                },
+                **{
+                    f"machine_cpu_per_step_{mode}": round(seconds / len(steps[mode]), 3)
+                    for mode, seconds in machine.items()
                 },
                 "startup_s_services": round(statistics.median(startup["services"]), 1),
                 "startup_s_in_process": round(statistics.median(startup["in_process"]), 1),

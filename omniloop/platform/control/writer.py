@@ -5,8 +5,9 @@ fields and the reward, in one put), a line in the step's trajectory file, and a 
 run store. Each write costs about the same for one episode as for thirty (a data-plane put is
 three round trips to the queue; a store write is one transaction), and a step's episodes end in
 bursts, so `EpisodeWriter` commits them as a group: the first episode is written at once, and
-those that finish while a write is under way are written together by the next one. Nothing
-waits for a timer, and an episode is never reported done before it is written.
+those that finish while a write is under way are written together by the next one. A group's
+put and store record run side by side, and its trajectory lines follow once both succeeded.
+Nothing waits for a timer, and an episode is never reported done before it is written.
 """
 
 from __future__ import annotations
