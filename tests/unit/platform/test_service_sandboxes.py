@@ -12,11 +12,13 @@ from omniloop.sandboxes.config import SandboxConfig
 
 
 class EndpointHandle:
-    """A stand-in for the deployment's handle: `endpoint.remote()` answers after `seconds`,
-    naming replica `n` (the count of questions so far), or raises while `failing`."""
+    """A stand-in for the deployment's handle: `endpoint.remote()` answers after `seconds`
+    (or once `release` is set, when given), naming replica `n` (the count of questions so
+    far), or raises while `failing`."""
 
-    def __init__(self, seconds: float = 0.05) -> None:
+    def __init__(self, seconds: float = 0.05, release: asyncio.Event | None = None) -> None:
         self.seconds = seconds
+        self.release = release
         self.asked = 0
         self.failing = False
         self.endpoint = self
@@ -26,7 +28,10 @@ class EndpointHandle:
         n, failing = self.asked, self.failing
 
         async def answer() -> tuple[str, str]:
-            await asyncio.sleep(self.seconds)
+            if self.release is not None:
+                await self.release.wait()
+            else:
+                await asyncio.sleep(self.seconds)
             if failing:
                 raise TimeoutError("no replica answered")
             return f"http://127.0.0.1:{9000 + n}", "token"
@@ -80,15 +85,17 @@ def test_a_failed_question_fails_its_waiters_and_the_next_acquire_asks_again() -
 
 
 def test_a_waiter_that_gives_up_leaves_the_question_to_the_others() -> None:
-    handle = EndpointHandle(seconds=0.3)
-    sandboxes = ServiceSandboxes(handle, SandboxConfig(backend="bwrap"), wait_s=5.0)  # type: ignore[arg-type]
-
     async def main() -> None:
+        # The answer comes only after the impatient waiter has given up.
+        handle = EndpointHandle(release=asyncio.Event())
+        sandboxes = ServiceSandboxes(handle, SandboxConfig(backend="bwrap"), wait_s=5.0)  # type: ignore[arg-type]
         try:
             impatient = asyncio.create_task(sandboxes._client(0.05))
-            patient = asyncio.create_task(sandboxes._client(5.0))
+            patient = asyncio.create_task(sandboxes._client(30.0))
             with pytest.raises(TimeoutError):
                 await impatient
+            assert handle.release is not None
+            handle.release.set()
             client = await patient
             assert handle.asked == 1
             assert client.base_url == "http://127.0.0.1:9001"
