@@ -90,8 +90,8 @@ class ServiceSandboxes:
     `acquire` creates the sandbox at a live replica's endpoint, which it asks the deployment
     for at most every `ENDPOINT_REUSE_S` (a step's burst of episodes costs one Serve call, which
     the acquires that arrive while it is under way share, and sandboxes still spread over the
-    replicas), waiting up to `wait_s` while no replica answers
-    (one is being replaced). `release` removes the sandbox (the replica's warm pool refills).
+    replicas), waiting up to `wait_s` while no replica answers (one is being replaced).
+    `release` removes the sandbox (the replica's warm pool refills).
     One HTTP client per replica endpoint is kept; one that reported its replica lost is no
     longer handed out (sandboxes still holding it fail with `SandboxLost` too) and is closed
     with the provider.
