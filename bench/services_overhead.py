@@ -171,12 +171,10 @@ def main() -> None:
                 extra = args.set if mode == "services" else []
                 result = train_once(model, root / f"{mode}-{round_}", mode, args.steps, extra)
                 metrics = result["metrics"]
-                window = sampler.between(metrics[WARMUP_STEPS - 1]["time"], metrics[-1]["time"])
-                for kind, seconds in window.items():
+                measured = (metrics[WARMUP_STEPS - 1]["time"], metrics[-1]["time"])
+                for kind, seconds in sampler.between(*measured).items():
                     cpu[mode][kind] = cpu[mode].get(kind, 0.0) + seconds
-                machine[mode] += sampler.machine_between(
-                    metrics[WARMUP_STEPS - 1]["time"], metrics[-1]["time"]
-                )
+                machine[mode] += sampler.machine_between(*measured)
                 kept = metrics[WARMUP_STEPS:]
                 steps[mode] += [m["perf/step_seconds"] for m in kept]
                 episodes[mode] += [m["episodes/count"] / m["perf/step_seconds"] for m in kept]
