@@ -130,3 +130,7 @@ async def _serve(config: EngineServerConfig, log_level: str) -> None:
             f"max_context {core.max_context})"
         )
     await serving
+
+
+if __name__ == "__main__":  # `python -m omniloop.inference.cli serve ...` (engines.py)
+    app(prog_name="omniloop engine")
