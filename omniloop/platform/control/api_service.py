@@ -14,9 +14,9 @@ sessions), which the proxy answers 503 until Serve has replaced it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from omniloop.gateway.app import OneGateway
 from omniloop.gateway.completions import Gateway
 from omniloop.platform.control.run_config import RunConfig
 
@@ -58,7 +58,7 @@ class ApiServer:
             self._settings,
             extra_routes=[engine_router(launcher), *web_routes()],
             scraped=[RunEnginesCollector()],
-            gateway=OneGateway(self._run_gateway()),
+            gateway=FirstCallGateway(self._run_gateway),
         )
 
     def _run_gateway(self) -> Gateway:
@@ -81,3 +81,24 @@ class ApiServer:
                 connection.execute(text("SELECT 1"))
 
         await asyncio.to_thread(ping)
+
+
+class FirstCallGateway:
+    """`Routes` (`omniloop.gateway.app`) to one gateway, built by the first call that needs it.
+
+    The run's gateway loads the model's tokenizer (transformers: seconds of CPU) which most
+    runs never use; built at start-up, it slowed every other role starting beside it. The
+    first completion waits for it instead (the replica's event loop too, once). The replica's
+    token guard decides who may call before routing."""
+
+    def __init__(self, build: Callable[[], Gateway]) -> None:
+        self._build = build
+        self._gateway: Gateway | None = None
+
+    def gateway_for(self, session_id: str | None) -> Gateway | None:
+        if self._gateway is None:
+            self._gateway = self._build()
+        return self._gateway
+
+    def authorized(self, session_id: str | None, authorization: str) -> bool:
+        return True
