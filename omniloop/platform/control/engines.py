@@ -29,7 +29,7 @@ def engine_command(
     """The argv that serves `model` on `host:port` with this interpreter (with `media`, the
     media settings the prompts' placeholder blocks are counted with, inline as JSON)."""
     # `omniloop engine serve`, through the engine's own command module: `omniloop`'s entry
-    # point imports every component's commands (the REST API's, ~1.5 s of CPU) first.
+    # point imports every component's commands first (the REST API's: over a second of CPU).
     argv = [sys.executable, "-m", "omniloop.inference.cli", "serve", "--model", model]
     argv += ["--host", host, "--port", str(port)]
     if threads:
