@@ -50,8 +50,8 @@ class ApiServer:
     def __serve_build_asgi_app__(self) -> Any:
         from omniloop.platform.api.app import create_app
         from omniloop.platform.api.cli import web_routes
+        from omniloop.platform.control.deployments import ServeEngineLauncher
         from omniloop.platform.control.engine_routes import RunEnginesCollector, engine_router
-        from omniloop.platform.control.services import ServeEngineLauncher
 
         launcher = ServeEngineLauncher(self._config, self._cwd, self._paths)
         return create_app(

@@ -92,7 +92,7 @@ class AddEngine(BaseModel):
 
 
 class EngineLauncher(Protocol):
-    """Starts and stops engines for the run (`services.ServeEngineLauncher`)."""
+    """Starts and stops engines for the run (`deployments.ServeEngineLauncher`)."""
 
     async def launch(self) -> str:
         """Start an engine; its URL once it is in rotation. Raises `EngineError`."""

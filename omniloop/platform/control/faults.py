@@ -1,7 +1,7 @@
 """Role failures and recovery: the fault timeline, and retrying work a failed replica cut off.
 
 A call to a role fails in one of three ways, told apart by a `Classify` function the role's
-transport provides (`services.classify_failure` for Ray Serve; in this process nothing is
+transport provides (`deployments.classify_failure` for Ray Serve; in this process nothing is
 retried):
 
 - `busy`: the role refused the call (back-pressure: its queue is full). Waited out and retried;

@@ -1,7 +1,8 @@
 """What every role replica does before it builds its role.
 
 Kept free of heavy imports: a replica imports only what its role needs, and the light roles
-(sandbox, reward, the engine's front) run without torch.
+(sandbox, reward, the engine's front, and the api until its gateway's first call) run without
+torch.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         sink = stack.enter_context(MetricsSink(run_dir, console, tensorboard=config.tensorboard))
         record = RunRecord(config, sink, progress, store)
         if config.services.mode == "services":
-            from omniloop.platform.control.services import classify_failure, service_roles
+            from omniloop.platform.control.deployments import classify_failure
+            from omniloop.platform.control.services import service_roles
 
             retry = Retry(config.faults, record.timeline, classify_failure)
             roles_cm = service_roles(

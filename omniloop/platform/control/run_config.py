@@ -62,7 +62,9 @@ class ServicesConfig(StrictModel):
     cluster; a replica that dies is replaced and its work retried. `in_process`: the same roles
     in this process, with no fault isolation."""
     rollout_replicas: int = Field(default=2, ge=1)
-    """Replicas of the rollout deployment; each runs up to `rollout.concurrency` episodes."""
+    """Replicas of the rollout deployment; they share the run's `rollout.concurrency` episodes.
+    Each is a process of its own (torch, the tokenizer, a data-plane client): on a small
+    machine every replica more delays the first step by seconds."""
     max_queued_requests: int = Field(default=1024, ge=1)
     """Requests a deployment's callers may queue beyond what its replicas run at once; past it
     a call is refused (back-pressure) and retried after a pause, never dropped."""

@@ -124,7 +124,7 @@ class ServiceSandboxes:
                     raise
             except Exception as err:
                 # The deployment itself did not answer (its only replica is down).
-                from omniloop.platform.control.services import classify_failure
+                from omniloop.platform.control.deployments import classify_failure
 
                 if classify_failure(err) is None and not isinstance(err, TimeoutError):
                     raise

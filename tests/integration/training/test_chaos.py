@@ -144,6 +144,7 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
             "checkpoint_every": CHECKPOINT_EVERY,
             "services.mode": "services",
             "services.rollout_replicas": 2,
+            "services.reward_replicas": 2,
             "services.api_port": port,
             "trainer.loss.kl_coef": 0.05,
             "trainer.reference": "external",

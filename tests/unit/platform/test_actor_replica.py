@@ -9,12 +9,9 @@ from typing import Any
 import pytest
 
 from omniloop.platform.control.controller import ActorLost
-from omniloop.platform.control.services import (
-    ActorReplaced,
-    ActorServer,
-    ServiceActor,
-    classify_failure,
-)
+from omniloop.platform.control.data_roles import ActorReplaced, ActorServer
+from omniloop.platform.control.deployments import classify_failure
+from omniloop.platform.control.services import ServiceActor
 
 
 class _Trainer:

@@ -22,6 +22,17 @@ LIGHT_ROLES = {
         "omniloop.platform.control.reward_service",
         "omniloop.platform.control.replica",
     ],
+    # Until its first gateway call, which loads the model's tokenizer (`FirstCallGateway`).
+    "api": [
+        "omniloop.platform.control.api_service",
+        "omniloop.platform.control.run_config",
+        "omniloop.platform.control.replica",
+        "omniloop.platform.api.settings",
+        "omniloop.platform.api.app",
+        "omniloop.platform.api.cli",
+        "omniloop.platform.control.engine_routes",
+        "omniloop.platform.control.deployments",
+    ],
     "engine": [
         "omniloop.platform.control.engine_service",
         "omniloop.platform.control.run_config",
