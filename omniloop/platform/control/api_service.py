@@ -64,7 +64,7 @@ class ApiServer:
     def _run_gateway(self) -> Gateway:
         """Completions from the engines the actor's coordinator keeps at the current weights."""
         from omniloop.inference.models import load_tokenizer
-        from omniloop.platform.control.engine_routes import run_engines
+        from omniloop.platform.control.deployments import run_engines
 
         model, max_context = self._config.model, self._config.rollout.max_context
         tokenizer = load_tokenizer(model)

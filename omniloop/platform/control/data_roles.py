@@ -38,7 +38,7 @@ class RolloutServer:
     # Serve awaits an async constructor; mypy knows no such thing.
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
         enter_run_folder(cwd, paths)
-        from omniloop.platform.control.engine_routes import run_engines
+        from omniloop.platform.control.deployments import run_engines
         from omniloop.platform.control.reward_service import remote_rewards
         from omniloop.platform.control.run import episode_runner
         from omniloop.platform.control.sandbox_service import ServiceSandboxes

@@ -1,9 +1,11 @@
-"""How the run's roles become Ray Serve deployments, and what a Serve call's failure means.
+"""How the run's roles become Ray Serve deployments, how they reach the run's engines, and what
+a Serve call's failure means.
 
 Shared by the controller (`services.service_roles`), the api replica (which launches engines
-on request) and the rollout replicas (whose sandbox calls classify their failures), so it
-imports no role's code but the engine's light front (`engine_service.EngineServer`): the api
-replica runs without torch.
+on request, and whose gateway samples from the run's engines) and the rollout replicas (which
+sample from them, and whose sandbox calls classify their failures), so it imports no role's
+code but the engine's light front (`engine_service.EngineServer`): the api replica runs
+without torch.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ray.serve.exceptions import (
 )
 
 from omniloop.errors import RoleLost
+from omniloop.inference.router import EngineRouter
 from omniloop.platform.control.engine_service import EngineServer
 from omniloop.platform.control.faults import Failure
 from omniloop.platform.control.run_config import RunConfig
@@ -147,3 +150,29 @@ class ServeEngineLauncher:
     @staticmethod
     def _launched() -> list[str]:
         return [n for n in serve.status().applications if n.startswith(LAUNCHED)]
+
+
+def run_engines(config: RunConfig) -> EngineRouter:
+    """An `Engine` over the run's rotation: the engines the actor's coordinator has given the
+    current weights. While the actor is not up, calls wait (`services.engine_wait_s`) for it.
+    Inside the run's Ray cluster only."""
+    from ray import serve
+
+    from omniloop.inference.models import resolve_model
+    from omniloop.platform.control.rollout import media_encoder
+
+    actor: Any = None
+
+    async def rotation() -> list[str]:
+        nonlocal actor
+        if actor is None:
+            try:
+                actor = serve.get_app_handle("actor")
+            except Exception:  # not deployed yet: no engine to send to
+                return []
+        urls: list[str] = await actor.engine_urls.remote()
+        return urls
+
+    rollout = config.rollout
+    encoder = media_encoder(rollout.engine, resolve_model(config.model), rollout.media)
+    return EngineRouter(rotation, wait_s=config.services.engine_wait_s, media_encoder=encoder)

@@ -41,9 +41,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omniloop.errors import EngineError
-from omniloop.inference.router import EngineRouter
 from omniloop.platform.api.problems import ApiProblem, problem_responses
-from omniloop.platform.control.run_config import RunConfig
 
 log = logging.getLogger(__name__)
 
@@ -118,32 +116,6 @@ def _actor() -> Any:
         return serve.get_app_handle("actor")
     except Exception as err:  # the actor role is not deployed (yet)
         raise ApiProblem(503, "no-actor", f"the run's actor role is not up: {err}") from err
-
-
-def run_engines(config: RunConfig) -> EngineRouter:
-    """An `Engine` over the run's rotation: the engines the actor's coordinator has given the
-    current weights. While the actor is not up, calls wait (`services.engine_wait_s`) for it.
-    Inside the run's Ray cluster only."""
-    from ray import serve
-
-    from omniloop.inference.models import resolve_model
-    from omniloop.platform.control.rollout import media_encoder
-
-    actor: Any = None
-
-    async def rotation() -> list[str]:
-        nonlocal actor
-        if actor is None:
-            try:
-                actor = serve.get_app_handle("actor")
-            except Exception:  # not deployed yet: no engine to send to
-                return []
-        urls: list[str] = await actor.engine_urls.remote()
-        return urls
-
-    rollout = config.rollout
-    encoder = media_encoder(rollout.engine, resolve_model(config.model), rollout.media)
-    return EngineRouter(rotation, wait_s=config.services.engine_wait_s, media_encoder=encoder)
 
 
 async def _table() -> EngineList:
