@@ -10,6 +10,7 @@ do and in which order, and records what they report:
         sync(version)                  every engine serves the new weights...
         gate.advance(k + 1)            ...before any rollout that the advance releases starts
         record(k), checkpoint          metrics, trained ids; every `checkpoint_every` steps
+                                       (and at the end: the last step, or `stop_when` met)
 
 Staleness is one code path for every setting: 0 makes rollout k wait for train k-1 (on-policy:
 each sample's version equals the trainer's), `k` lets rollouts run up to `k` steps ahead of
@@ -244,7 +245,10 @@ class Roles:
 
 
 async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: int) -> None:
-    """Run steps `start .. config.steps - 1` (module docstring); raises what a role raises."""
+    """Run steps `start .. config.steps - 1`, or until `config.stop_when` is met (module
+    docstring); raises what a role raises."""
+    if record.target_reached(start - 1):  # a resumed run that had met its target
+        return
     gate = StalenessGate(config.max_staleness, trainer_version=start)
 
     async def produce(step: int) -> tuple[RolloutReport, dict[str, float]]:
@@ -259,7 +263,7 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
     production = {k: asyncio.create_task(produce(k)) for k in range(start, config.steps)}
     last = time.perf_counter()
 
-    async def train_and_publish(step: int) -> None:
+    async def train_and_publish(step: int) -> bool:
         nonlocal last
         # The actor streams step k's rows while they are still being produced. (Shielded: if
         # the actor is lost, the step's rows are still wanted, by the restored actor.)
@@ -278,14 +282,17 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
         now = time.perf_counter()
         await record.step(rollout, advantages, trained, synced, seconds=now - last)
         last = now
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+        reached = record.target_reached(step)  # `stop_when`: the run ends early
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps or reached:
             await record.checkpoint(roles.actor, step + 1, critic=roles.critic)
+        return reached
 
     step = start
     try:
         while step < config.steps:
             try:
-                await train_and_publish(step)
+                if await train_and_publish(step):
+                    break
             except ActorLost as lost:
                 # Only the actor restarts, from its last checkpoint; rollouts of later steps go
                 # on. The steps since the checkpoint are produced and trained again (same ids).

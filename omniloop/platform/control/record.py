@@ -17,7 +17,7 @@ from omniloop.errors import ConfigError
 from omniloop.platform.control.console import console
 from omniloop.platform.control.controller import Actor, Critic, RolloutReport, TrainReport
 from omniloop.platform.control.faults import Fault, FaultTimeline
-from omniloop.platform.control.metrics import MetricsSink, truncate_jsonl
+from omniloop.platform.control.metrics import MetricsSink, read_jsonl, truncate_jsonl
 from omniloop.platform.control.run_config import RunConfig
 
 if TYPE_CHECKING:
@@ -59,6 +59,10 @@ class RunRecord:
         self._restored_at: set[int] = set()
         self._opened: set[asyncio.Task[int]] = set()
         """Store writes of detected faults not yet awaited (`_record_faults` awaits them)."""
+        self._watched: dict[int, float] = {}
+        """Per recorded step, the value of the metric `stop_when` watches."""
+        self._last_step = config.steps - 1
+        """The step the faults found after the loop are recorded under."""
 
     def _fault_opened(self, fault: Fault) -> None:
         """Record `fault` as it opens, under the oldest step in production (the step that
@@ -75,6 +79,25 @@ class RunRecord:
         """Drop what the logs hold from step `step` on (a resumed run redoes those steps)."""
         for path in (self.trained_path, self._sink.path):
             truncate_jsonl(path, step)
+        stop_when = self._config.stop_when
+        if stop_when is not None:
+            logged = read_jsonl(self._sink.path) if self._sink.path.is_file() else []
+            values = {line["step"]: line.get(stop_when.metric) for line in logged}
+            # NaN is logged as null.
+            self._watched = {k: math.nan if v is None else v for k, v in values.items()}
+
+    def target_reached(self, step: int) -> bool:
+        """Whether the run's `stop_when` target is met by the steps recorded up to `step`
+        (printed when it is); False for a run without one."""
+        stop_when = self._config.stop_when
+        if stop_when is None or (mean := stop_when.reached(self._watched, step)) is None:
+            return False
+        console.print(
+            f"[bold]stop_when[/bold] {stop_when.metric} averaged {mean:.3f} over steps "
+            f"{step - stop_when.over_steps + 2}-{step + 1}: the run ends after step {step + 1} "
+            f"of {self._config.steps}"
+        )
+        return True
 
     def episodes_started(self, step: int, total: int) -> None:
         """A progress bar for `step` (called by the rollout when the step starts)."""
@@ -122,6 +145,9 @@ class RunRecord:
         recovery = [f.recovery_seconds or 0.0 for f in faults]
         metrics["faults/recovery_seconds"] = max(recovery) if recovery else 0.0
         metrics["faults/refused_calls"] = float(self.timeline.take_refused())
+        if self._config.stop_when is not None:
+            self._watched[trained.step] = self._config.stop_when.value(trained.step, metrics)
+        self._last_step = trained.step
         await self._record_faults(trained.step, faults)
         await self._store.record_metrics(self.run_id, trained.step, metrics)
         self._sink.log(trained.step, metrics, total_steps=self._config.steps)
@@ -141,10 +167,11 @@ class RunRecord:
         """The data of a `fault` run event: `fault` as it stands now, seen by `step`."""
         return {"step": step, **fault.to_json()}
 
-    async def finish(self, step: int) -> None:
-        """Record the faults no step has recorded yet: those that recovered after the last
-        step, and those still open (`recovered_at` None) when the run ended."""
-        await self._record_faults(step, self.timeline.take_all())
+    async def finish(self) -> None:
+        """Record the faults no step has recorded yet (under the last step recorded): those
+        that recovered after it, and those still open (`recovered_at` None) when the run
+        ended."""
+        await self._record_faults(self._last_step, self.timeline.take_all())
 
     async def restore_actor(self, actor: Actor, step: int, lost: Exception) -> int:
         """Restore a lost actor from the newest checkpoint; return the step to go on from.

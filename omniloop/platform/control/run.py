@@ -127,7 +127,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         try:
             await _supervised(train_loop(roles, record, config, start), roles)
         finally:
-            await asyncio.shield(record.finish(config.steps - 1))
+            await asyncio.shield(record.finish())
     return run_dir
 
 

@@ -11,12 +11,15 @@ silently ignored.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from omniloop.config import StrictModel
+from omniloop.errors import ConfigError
 from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.platform.control.staleness import MaxStaleness
 from omniloop.platform.dcs.config import WeightSyncConfig
@@ -133,6 +136,59 @@ class FaultsConfig(StrictModel):
     """Seconds to wait before retrying a call a deployment refused or lost."""
 
 
+class StopWhen(StrictModel):
+    """Ends a run before `steps` once a step metric has reached a target (early stopping).
+
+    Checked after each trained step, on the mean of the metric over the last `over_steps`
+    steps (a resumed run counts the steps before its checkpoint). The run then writes its
+    final checkpoint and ends `completed`. The rollouts of later steps that had started (up to
+    `max_staleness + 1` of them: the step's weight sync releases the next rollout before the
+    step is recorded) are cancelled; the episodes they finished stay in the run's database and
+    trajectory files, untrained."""
+
+    metric: str = "reward/mean"
+    """The step metric watched: a key of the run's `metrics.jsonl` (`reward/mean`, `kl`...).
+    A run whose steps do not report it fails at its first step, naming the keys they do."""
+    at_least: float | None = None
+    """Stop once the metric's mean over the last `over_steps` steps is at least this."""
+    at_most: float | None = None
+    """Stop once that mean is at most this (for a metric that falls)."""
+    over_steps: int = Field(default=3, ge=1)
+    """Steps the mean is taken over; fewer recorded steps never stop the run."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> StopWhen:
+        if (self.at_least is None) == (self.at_most is None):
+            raise ValueError(
+                f"stop_when needs exactly one of at_least and at_most (got at_least="
+                f"{self.at_least}, at_most={self.at_most}): set stop_when.at_least=0.8, say"
+            )
+        return self
+
+    def value(self, step: int, metrics: Mapping[str, float]) -> float:
+        """The watched metric of a step's metrics; `ConfigError` if the step has none."""
+        if self.metric not in metrics:
+            raise ConfigError(
+                f"stop_when.metric={self.metric!r} is not a metric of step {step}; its metrics "
+                f"are {', '.join(sorted(metrics))}"
+            )
+        return metrics[self.metric]
+
+    def reached(self, history: Mapping[int, float], step: int) -> float | None:
+        """The metric's mean over steps `step - over_steps + 1 .. step` of `history` (per step,
+        its value) if it meets the target; None if not, or if one of those steps has no value
+        or NaN."""
+        if step + 1 < self.over_steps:
+            return None
+        window = range(step - self.over_steps + 1, step + 1)
+        mean = sum(history.get(k, math.nan) for k in window) / self.over_steps
+        if math.isnan(mean):
+            return None
+        if self.at_least is not None:
+            return mean if mean >= self.at_least else None
+        return mean if self.at_most is not None and mean <= self.at_most else None
+
+
 class RunConfig(StrictModel):
     """An RL training run: rollouts, rewards, advantages, optimizer steps, weight syncs."""
 
@@ -164,6 +220,9 @@ class RunConfig(StrictModel):
     steps ahead of training, `inf` is fully asynchronous. Above 0, the trainer corrects for
     samples of older weights by truncated importance sampling (`trainer.loss.tis_cap`, 2 unless
     set; `null` turns it off)."""
+    stop_when: StopWhen | None = None
+    """End the run before `steps` once a metric has reached a target (`stop_when.at_least=0.9`
+    stops when the mean reward of the last 3 steps is 0.9 or more); None runs every step."""
     checkpoint_every: int = Field(default=5, ge=1)
     """Save a checkpoint every this many steps (and always after the last one)."""
     keep_checkpoints: int = Field(default=2, ge=1)
