@@ -86,9 +86,13 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
         await stack.enter_async_context(recorded_run(store, config, resume=resume))
         database = store.store.engine.url.render_as_string(hide_password=True)
         console.print(f"[bold]run[/bold] {config.run_id} recorded in {database}", soft_wrap=True)
-        # Ray and the queue start beside the engine.
         plane_start = asyncio.ensure_future(asyncio.to_thread(DataPlane.start, plane_config))
         stack.push_async_callback(_close_plane, plane_start)
+        url = ""
+        if config.services.mode == "in_process":  # the engine starts beside Ray and the queue
+            url = await stack.enter_async_context(
+                engine_url(config.rollout.engine, log_dir=run_dir, media=config.rollout.media)
+            )
         plane = await plane_start
         progress = stack.enter_context(progress_bar())
         sink = stack.enter_context(MetricsSink(run_dir, console, tensorboard=config.tensorboard))
@@ -107,9 +111,6 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
             )
         else:
             retry = Retry(config.faults, record.timeline, never_retry)
-            url = await stack.enter_async_context(
-                engine_url(config.rollout.engine, log_dir=run_dir, media=config.rollout.media)
-            )
             roles_cm = local_roles(config, url, plane, record, retry)
         roles = await stack.enter_async_context(roles_cm)
         console.print(f"[bold]roles:[/bold] {config.services.mode}")
