@@ -62,6 +62,7 @@ def toy_run(
             "checkpoint_every": STEPS,
             "stop_when.at_least": TARGET,
             "services.mode": mode,
+            "services.api": False,  # the tests ask nothing of it (chaos and others do)
             "trainer.backend": backend,
             "trainer.data_parallel": 2 if backend == "megatron" else 1,
         },
