@@ -6,7 +6,8 @@ One real run: the CPU engine serves the warm-started tiny model over HTTP, each 
 gateway, which records the replies token-exactly; trajectories travel through TransferQueue and
 the torch trainer takes one optimizer step per rollout step, one step ahead of the rollouts.
 The warm start taught the tool-call format with every direction equally often: the agent finds
-the treasure about one time in eight, and only RL can raise that.
+the treasure about one time in eight, and only RL can raise that. The run ends once its mean
+reward over three steps reaches 0.7 (`stop_when`), or after `STEPS`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "openai_agent"
 STEPS = 25
+TARGET = 0.7
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,7 @@ def hunt_run(tmp_path_factory: pytest.TempPathFactory, example_script: Any) -> P
         f"steps={STEPS}",
         f"checkpoint_every={STEPS}",
         "services.mode=in_process",
+        f"stop_when.at_least={TARGET}",
     ]
     asyncio.run(run(load_config(RunConfig, EXAMPLE / "train.yaml", overrides)))
     return run_dir
@@ -50,12 +53,12 @@ def hunt_run(tmp_path_factory: pytest.TempPathFactory, example_script: Any) -> P
 def test_the_openai_sdk_agent_s_reward_rises(hunt_run: Path) -> None:
     metrics = read_jsonl(hunt_run / "metrics.jsonl")
     rewards = [m["reward/mean"] for m in metrics]
-    assert len(rewards) == STEPS
+    assert 3 <= len(rewards) <= STEPS
     # Chance is 1/8: the first two steps' 64 episodes stay under 0.3 unless the warm start
     # already knew the way.
     assert sum(rewards[:2]) / 2 <= 0.3, rewards
-    best = max(sum(rewards[k : k + 3]) / 3 for k in range(STEPS - 2))
-    assert best >= 0.7, rewards
+    best = max(sum(rewards[k : k + 3]) / 3 for k in range(len(rewards) - 2))
+    assert best >= TARGET, rewards
     for step in metrics:
         assert step["episodes/errors"] == 0
         assert step.get("gateway/agent_errors", 0) == 0
