@@ -1,13 +1,15 @@
 """Step time through the role services vs the same roles in one process.
 
-The same run (the toy tool task, tiny model warm-started on the call format, 32 episodes per
-step, `max_staleness=1`) is trained with `services.mode=in_process` and with
-`services.mode=services` (rollout, reward, advantage, actor and engine as Ray Serve
-deployments), alternately, `--rounds` times each, in one invocation, so both meet the same
-machine. Step time is the control loop's `perf/step_seconds`, median over the steps of every
-round of a mode after its first `WARMUP_STEPS` (the first steps of a run also pay for warm
-pools and first compilations); start-up (Ray, Serve deployments, engine, model) is reported
-apart.
+The same run is trained with `services.mode=in_process` and with `services.mode=services`
+(rollout, reward, advantage, actor and engine as Ray Serve deployments), alternately,
+`--rounds` times each, in one invocation, so both meet the same machine. `--task` picks the
+run: `toy` (the default; the toy tool task, tiny model warm-started on the call format, 32
+episodes per step, `max_staleness=1`: an episode is a few dozen tokens of a tiny model, so the
+services' cost per episode weighs the most) or `calculator` (`make run`'s job: SmolLM2-135M,
+24 episodes per step, `max_staleness=1`, as `examples/calculator/train.yaml` sets it). Step
+time is the control loop's `perf/step_seconds`, median over the steps of every round of a mode
+after its first `WARMUP_STEPS` (the first steps of a run also pay for warm pools and first
+compilations); start-up (Ray, Serve deployments, engine, model) is reported apart.
 
 Prints ONE JSON line: `step_seconds_services`, `step_seconds_in_process`, `ratio` (services /
 in process), the episodes per second of each, the median rollout and optimizer-step seconds of
@@ -18,7 +20,8 @@ machine's busy CPU seconds per measured step (`machine_cpu_per_step_*`, from `/p
 what the per-kind figures miss, processes that live less than a sampling period such as a tool
 call's sandbox, and the kernel's own work), and the load average.
 
-    .venv/bin/python bench/services_overhead.py [--steps 10] [--rounds 2] [--set KEY=VALUE]
+    .venv/bin/python bench/services_overhead.py [--task toy|calculator] [--steps 10]
+        [--rounds 2] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toy_run import TOY, toy_config
-from toy_run import train as train_toy
+from toy_run import CALCULATOR, TOY, example_config, toy_config
+from toy_run import train as train_run
 
 WARMUP_STEPS = 2
 
@@ -129,17 +132,24 @@ def _machine_busy_seconds() -> float:
 
 
 def train_once(
-    model: Path, run_dir: Path, mode: str, steps: int, extra: list[str]
+    model: Path | None, run_dir: Path, mode: str, steps: int, extra: list[str]
 ) -> dict[str, Any]:
-    """Train `steps` steps with the roles in `mode` (and the dotted overrides `extra`); the
-    step metrics and start-up seconds."""
+    """Train `steps` steps with the roles in `mode` (and the dotted overrides `extra`): the toy
+    task on `model`, or the calculator task when `model` is None; the step metrics and
+    start-up seconds."""
     overrides = [f"checkpoint_every={steps}", f"services.mode={mode}", *extra]
-    metrics, total = train_toy(toy_config(model, run_dir, steps, overrides))
+    config = (
+        example_config(CALCULATOR, run_dir, steps, overrides)
+        if model is None
+        else toy_config(model, run_dir, steps, overrides)
+    )
+    metrics, total = train_run(config)
     return {"metrics": metrics, "startup_s": total - sum(m["perf/step_seconds"] for m in metrics)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=["toy", "calculator"], default="toy")
     parser.add_argument("--steps", type=int, default=10, help="steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating")
     parser.add_argument(
@@ -165,7 +175,7 @@ def main() -> None:
     machine: dict[str, float] = {"in_process": 0.0, "services": 0.0}
     with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch, CpuSampler() as sampler:
         root = Path(scratch)
-        model = warm_start(root / "model")
+        model = warm_start(root / "model") if args.task == "toy" else None
         for round_ in range(args.rounds):
             for mode in ("in_process", "services"):
                 extra = args.set if mode == "services" else []
@@ -187,6 +197,7 @@ def main() -> None:
         json.dumps(
             {
                 "bench": "services_overhead",
+                "task": args.task,
                 "step_seconds_services": round(services, 3),
                 "step_seconds_in_process": round(in_process, 3),
                 "ratio": round(services / in_process, 3),

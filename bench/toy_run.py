@@ -1,8 +1,10 @@
-"""The toy tool task's training run, as the benchmarks that train it set it up.
+"""The examples' training runs, as the benchmarks that train them set them up.
 
-`examples/toy_tool/train.yaml` with the model, a run folder of its own, a SQLite store in it,
-no TensorBoard, and the caller's dotted overrides; `train` runs it and reads back the step
-metrics. Imported by the bench scripts beside it (`bench/` is their `sys.path[0]`).
+`examples/toy_tool/train.yaml` (the tiny model warm-started on the call format) or
+`examples/calculator/train.yaml` (SmolLM2, `make run`'s job), each with a run folder of its
+own, a SQLite store in it, no TensorBoard, and the caller's dotted overrides; `train` runs one
+and reads back the step metrics. Imported by the bench scripts beside it (`bench/` is their
+`sys.path[0]`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 TOY = REPO / "examples" / "toy_tool"
+CALCULATOR = REPO / "examples" / "calculator"
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -29,14 +32,18 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def toy_config(model: Path, run_dir: Path, steps: int, overrides: list[str]) -> RunConfig:
     """The toy run of `steps` steps of `model` in `run_dir`, with `overrides` applied last."""
+    return example_config(TOY, run_dir, steps, [f"model={model}", *overrides])
+
+
+def example_config(folder: Path, run_dir: Path, steps: int, overrides: list[str]) -> RunConfig:
+    """The run of `folder/train.yaml`, `steps` steps in `run_dir`, `overrides` applied last."""
     from omniloop.config import load_config
     from omniloop.platform.control.run_config import RunConfig
 
     return load_config(
         RunConfig,
-        TOY / "train.yaml",
+        folder / "train.yaml",
         [
-            f"model={model}",
             f"run_dir={run_dir}",
             f"steps={steps}",
             "tensorboard=false",
