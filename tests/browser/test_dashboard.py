@@ -248,6 +248,12 @@ def _episode_row(run_id: str, n: int, stop_reason: str, at: datetime) -> dict[st
     }
 
 
+STOPPED_EARLY = (
+    "stop_when: reward/mean averaged 0.813 over steps 28-30 (at least 0.8); the run ended after "
+    "step 30 of 40"
+)
+
+
 def test_runs_list_shows_progress_reward_trend_errors_and_duration(
     page: Page, dashboard: Any, screenshot: Any
 ) -> None:
@@ -260,6 +266,7 @@ def test_runs_list_shows_progress_reward_trend_errors_and_duration(
     store = dashboard.store()
     try:
         store.create_run("at a glance", {"steps": 40}, run_id=run_id, status="completed")
+        store.update_run_status(run_id, "completed", STOPPED_EARLY)
         for step in range(30):
             store.record_metrics(run_id, step, {"reward/mean": 0.2 + step / 50, "kl": 0.1})
         rows = [_episode_row(run_id, n, r, started) for n, r in enumerate(reasons)]
@@ -286,9 +293,14 @@ def test_runs_list_shows_progress_reward_trend_errors_and_duration(
     expect(spark.locator("path")).to_have_attribute("d", re.compile(r"^M[\d.,]+(L[\d.,]+){29}$"))
     expect(row.locator('[data-col="errors"]')).to_have_text("7")
     expect(row.locator('[data-col="duration"]')).to_have_text("1 h 02 m")
+    # Why it ended after 30 of 40 steps: on the status, and under the run page's title.
+    expect(row.locator("td", has=page.locator("[data-status]"))).to_have_attribute(
+        "title", STOPPED_EARLY
+    )
     # What the page shows is what the API says.
     run = httpx.get(f"{dashboard.url}/v1/runs/{run_id}", timeout=30).json()
     assert (run["steps_done"], run["steps_total"], run["infra_errors"]) == (30, 40, 7)
+    assert run["status_reason"] == STOPPED_EARLY
     assert run["duration_seconds"] == 3723
     assert [p["step"] for p in run["reward_trend"]] == list(range(30))
     # A run without a planned number of steps shows the steps it has.
@@ -296,6 +308,8 @@ def test_runs_list_shows_progress_reward_trend_errors_and_duration(
         re.compile(r"^\d+$")
     )
     screenshot(page, "runs")
+    page.goto(f"{dashboard.url}/#/runs/{run_id}")
+    expect(page.locator("[data-status-reason]")).to_have_text(STOPPED_EARLY)
 
 
 def test_run_page_charts_never_mix_units_on_an_axis(

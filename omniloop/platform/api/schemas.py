@@ -295,6 +295,9 @@ class RunOut(_Output):
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    status_reason: str | None
+    """Why the run is in its status, where there is something to say: the error that failed
+    it, the `stop_when` target that ended it before its last step; None otherwise."""
     steps_done: int
     """The newest step with a `reward/mean` value, plus one (steps count from 0); 0 before
     the first."""
@@ -522,6 +525,7 @@ def run_out(record: RunRecord, summary: RunSummary | None, now: datetime | None 
         created_at=record.created_at,
         updated_at=record.updated_at,
         finished_at=record.finished_at,
+        status_reason=record.status_reason,
         steps_done=summary.steps_done if summary is not None else 0,
         steps_total=steps if isinstance(steps, int) and not isinstance(steps, bool) else None,
         latest_reward=_finite(summary.latest_reward) if summary is not None else None,

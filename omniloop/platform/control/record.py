@@ -8,6 +8,7 @@ import json
 import math
 import shutil
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +64,8 @@ class RunRecord:
         """Per recorded step, the value of the metric `stop_when` watches."""
         self._last_step = config.steps - 1
         """The step the faults found after the loop are recorded under."""
+        self.ended_early: str | None = None
+        """Why the run ends before its last step (its `stop_when` target, met), once it is."""
 
     def _fault_opened(self, fault: Fault) -> None:
         """Record `fault` as it opens, under the oldest step in production (the step that
@@ -87,16 +90,24 @@ class RunRecord:
             self._watched = {k: math.nan if v is None else v for k, v in values.items()}
 
     def target_reached(self, step: int) -> bool:
-        """Whether the run's `stop_when` target is met by the steps recorded up to `step`
-        (printed when it is); False for a run without one."""
+        """Whether the run ends early after `step`: its `stop_when` target is met by the steps
+        recorded up to it (printed, and kept in `ended_early`, when it is); False for a run
+        without one, and at the run's last step."""
         stop_when = self._config.stop_when
-        if stop_when is None or (mean := stop_when.reached(self._watched, step)) is None:
+        if stop_when is None or step + 1 >= self._config.steps:
             return False
-        console.print(
-            f"[bold]stop_when[/bold] {stop_when.metric} averaged {mean:.3f} over steps "
-            f"{step - stop_when.over_steps + 2}-{step + 1}: the run ends after step {step + 1} "
-            f"of {self._config.steps}"
+        if (mean := stop_when.reached(self._watched, step)) is None:
+            return False
+        if stop_when.at_least is not None:
+            bound = f"at least {stop_when.at_least}"
+        else:
+            bound = f"at most {stop_when.at_most}"
+        self.ended_early = (
+            f"stop_when: {stop_when.metric} averaged {mean:.3f} over steps "
+            f"{step - stop_when.over_steps + 2}-{step + 1} ({bound}); the run ended after step "
+            f"{step + 1} of {self._config.steps}"
         )
+        console.print(f"[bold]stop_when[/bold]{self.ended_early.removeprefix('stop_when:')}")
         return True
 
     def episodes_started(self, step: int, total: int) -> None:
@@ -215,12 +226,21 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("step_")))
 
 
+@dataclass
+class RunEnding:
+    """What the block of `recorded_run` says of a run that ends well."""
+
+    reason: str | None = None
+    """Why it ended where it did (`RunRecord.ended_early`), if there is something to say."""
+
+
 @contextlib.asynccontextmanager
 async def recorded_run(
     store: AsyncStore, config: RunConfig, *, resume: bool
-) -> AsyncIterator[None]:
-    """The run's record in the database for the block: `running` during it, then `completed`,
-    `cancelled` (interrupted) or `failed`. A resumed run continues its record."""
+) -> AsyncIterator[RunEnding]:
+    """The run's record in the database for the block: `running` during it, then `completed`
+    (with the yielded `RunEnding`'s reason), `cancelled` (interrupted) or `failed` (with the
+    error as its reason). A resumed run continues its record."""
     from omniloop.platform.store import NotFound
 
     assert config.run_id is not None
@@ -236,12 +256,14 @@ async def recorded_run(
                 "or resume the run with --resume"
             )
     await store.update_run_status(config.run_id, "running")
+    ending = RunEnding()
     try:
-        yield
+        yield ending
     except (KeyboardInterrupt, asyncio.CancelledError):
         await asyncio.shield(store.update_run_status(config.run_id, "cancelled"))
         raise
-    except BaseException:
-        await asyncio.shield(store.update_run_status(config.run_id, "failed"))
+    except BaseException as err:
+        cause = f"{type(err).__name__}: {err}"
+        await asyncio.shield(store.update_run_status(config.run_id, "failed", cause))
         raise
-    await store.update_run_status(config.run_id, "completed")
+    await store.update_run_status(config.run_id, "completed", ending.reason)

@@ -83,7 +83,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
     )
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(store.close)
-        await stack.enter_async_context(recorded_run(store, config, resume=resume))
+        ending = await stack.enter_async_context(recorded_run(store, config, resume=resume))
         database = store.store.engine.url.render_as_string(hide_password=True)
         console.print(f"[bold]run[/bold] {config.run_id} recorded in {database}", soft_wrap=True)
         plane_start = asyncio.ensure_future(asyncio.to_thread(DataPlane.start, plane_config))
@@ -129,6 +129,7 @@ async def run(config: RunConfig, *, resume: bool = False) -> Path:
             await _supervised(train_loop(roles, record, config, start), roles)
         finally:
             await asyncio.shield(record.finish())
+        ending.reason = record.ended_early
     return run_dir
 
 

@@ -83,8 +83,10 @@ class AsyncStore:
     async def role_faults(self, run_ids: Sequence[str]) -> list[RoleFaults]:
         return await asyncio.to_thread(self.store.role_faults, run_ids)
 
-    async def update_run_status(self, run_id: str, status: RunStatus) -> RunRecord:
-        return await asyncio.to_thread(self.store.update_run_status, run_id, status)
+    async def update_run_status(
+        self, run_id: str, status: RunStatus, reason: str | None = None
+    ) -> RunRecord:
+        return await asyncio.to_thread(self.store.update_run_status, run_id, status, reason)
 
     async def record_run_event(self, run_id: str, type: str, data: dict[str, Any]) -> int:
         return await asyncio.to_thread(self.store.record_run_event, run_id, type, data)

@@ -122,6 +122,7 @@ class RunRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    status_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (Index("ix_runs_status_seq", "status", "seq"),)
 

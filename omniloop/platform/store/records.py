@@ -43,6 +43,10 @@ class RunRecord(_Record):
     updated_at: datetime
     finished_at: datetime | None
     """When the run last entered a terminal status; None while it is live."""
+    status_reason: str | None = None
+    """Why the run is in its status, in a sentence, where there is something to say: the
+    error that failed it, the `stop_when` target that ended it before its last step. None
+    while it is live and for a run that simply ran its steps."""
 
 
 class EpisodeRecord(_Record):

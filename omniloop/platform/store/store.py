@@ -165,6 +165,10 @@ def _check_id(value: str, what: str) -> None:
         raise InvalidArgument(f"{what} must be 1 to 64 characters, got {value!r}")
 
 
+MAX_STATUS_REASON = 4000
+"""Characters of a run's `status_reason` kept (the rest of a long error is in the run's log)."""
+
+
 def _check_length(value: str | None, what: str, maximum: int = 255) -> None:
     # PostgreSQL refuses an over-long VARCHAR where SQLite would store it: check for both.
     if value is not None and len(value) > maximum:
@@ -285,6 +289,7 @@ def _run_record(row: RunRow) -> RunRecord:
             "created_at": row.created_at,
             "updated_at": row.updated_at,
             "finished_at": row.finished_at,
+            "status_reason": row.status_reason,
         }
     )
 
@@ -641,29 +646,37 @@ class Store:
             for run_id, _, last, value, count in found
         }
 
-    def update_run_status(self, run_id: str, status: RunStatus) -> RunRecord:
-        """Set a run's status (any status may follow any other: a finished run can resume).
+    def update_run_status(
+        self, run_id: str, status: RunStatus, reason: str | None = None
+    ) -> RunRecord:
+        """Set a run's status and why it is in it (`reason`, a sentence, or None when there
+        is nothing to say; any status may follow any other: a finished run can resume).
 
         `finished_at` is set on entering `completed`, `failed` or `cancelled` and cleared on
-        leaving them. A change appends a `status` event to the run's stream; setting the
-        current status again changes nothing.
+        leaving them. A change appends a `status` event to the run's stream (with the reason
+        when there is one); setting the current status and reason again changes nothing. A
+        reason longer than `MAX_STATUS_REASON` characters is cut to it, marked with "…".
         """
         if status not in RUN_STATUSES:
             raise InvalidArgument(f"unknown run status {status!r}; one of {sorted(RUN_STATUSES)}")
+        if reason is not None and len(reason) > MAX_STATUS_REASON:
+            reason = reason[: MAX_STATUS_REASON - 1] + "…"  # an error's text can be any length
+        reason = _text(reason)
         with self._writing() as session:
             row = session.scalar(
                 select(RunRow).where(RunRow.id == run_id).with_for_update(key_share=True)
             )
             if row is None:
                 raise NotFound("run", run_id)
-            if row.status != status:
+            if row.status != status or row.status_reason != reason:
                 now = utcnow()
+                if row.status != status:
+                    row.finished_at = now if status in TERMINAL_RUN_STATUSES else None
                 row.status = status
+                row.status_reason = reason
                 row.updated_at = now
-                row.finished_at = now if status in TERMINAL_RUN_STATUSES else None
-                self._add_event(
-                    session, "status", {"status": status}, run_id=run_id, episode_id=None
-                )
+                event = {"status": status, **({"reason": reason} if reason is not None else {})}
+                self._add_event(session, "status", event, run_id=run_id, episode_id=None)
             return _run_record(row)
 
     # ---- metrics ----

@@ -7,6 +7,7 @@ from datetime import UTC
 import pytest
 
 from omniloop.platform.store import AlreadyExists, InvalidArgument, NotFound, Store
+from omniloop.platform.store.store import MAX_STATUS_REASON
 
 
 def test_create_and_get_run_round_trips_every_field(store: Store) -> None:
@@ -100,6 +101,28 @@ def test_run_status_changes_are_events_and_repeats_are_not(store: Store) -> None
         ("status", {"status": "running"}),
         ("status", {"status": "failed"}),
     ]
+
+
+def test_a_status_keeps_its_reason_until_the_next_change(store: Store) -> None:
+    store.create_run(run_id="r")
+    assert store.update_run_status("r", "running").status_reason is None
+    failed = store.update_run_status("r", "failed", "RoleFailed: the actor was lost twice")
+    assert failed.status_reason == "RoleFailed: the actor was lost twice"
+    assert store.get_run("r").status_reason == failed.status_reason
+    finished_at = failed.finished_at
+    # The same status with another reason: the reason changes, the run did not end again.
+    again = store.update_run_status("r", "failed", "ValueError: bad")
+    assert (again.status_reason, again.finished_at) == ("ValueError: bad", finished_at)
+    # A resumed run says nothing until it ends again; an error of any length is kept, cut.
+    assert store.update_run_status("r", "running").status_reason is None
+    long = store.update_run_status("r", "failed", "x" * (MAX_STATUS_REASON + 10) + "\x00")
+    assert long.status_reason == "x" * (MAX_STATUS_REASON - 1) + "…"
+    events = [e.data for e in store.list_events(run_id="r")]
+    assert events[1:3] == [
+        {"status": "failed", "reason": "RoleFailed: the actor was lost twice"},
+        {"status": "failed", "reason": "ValueError: bad"},
+    ]
+    assert events[3] == {"status": "running"}
 
 
 def test_update_run_status_refuses_unknown_run_and_status(store: Store) -> None:

@@ -94,6 +94,16 @@ def test_the_run_ends_once_its_target_is_met_with_a_checkpoint_of_the_last_step(
     assert means[-1] >= TARGET or len(rewards) == STEPS, rewards
     checkpoints = sorted(p.name for p in (toy_run.run_dir / "checkpoints").iterdir())
     assert checkpoints == [f"step_{len(rewards)}"]
+    # The run's record says why it ended where it did.
+    run_id = (toy_run.run_dir / "run_id").read_text().strip()
+    with Store(f"sqlite:///{toy_run.run_dir}/omniloop.db") as store:
+        reason = store.get_run(run_id).status_reason
+    if len(rewards) < STEPS:
+        assert reason == (
+            f"stop_when: reward/mean averaged {means[-1]:.3f} over steps {len(rewards) - 2}-"
+            f"{len(rewards)} (at least {TARGET}); the run ended after step {len(rewards)} of "
+            f"{STEPS}"
+        )
 
 
 def test_no_trained_sample_is_older_than_max_staleness(toy_run: ToyRun) -> None:

@@ -15,8 +15,9 @@ from rich.progress import Progress
 from omniloop.config import load_config
 from omniloop.errors import ConfigError
 from omniloop.platform.control.metrics import MetricsSink
-from omniloop.platform.control.record import RunRecord
+from omniloop.platform.control.record import RunRecord, recorded_run
 from omniloop.platform.control.run_config import RunConfig, StopWhen
+from omniloop.platform.store import AsyncStore
 
 TOY = Path(__file__).parents[3] / "examples" / "toy_tool" / "train.yaml"
 
@@ -68,7 +69,49 @@ def test_a_resumed_run_sees_the_values_logged_before_its_checkpoint(tmp_path: Pa
         record.rewind(5)  # resumed from the checkpoint after step 4: steps 5.. are redone
         assert not record.target_reached(1)  # 0.1, 0.85
         assert not record.target_reached(2)  # 0.85, NaN
+        assert record.ended_early is None
         assert record.target_reached(4)  # 0.9, 0.9
+        assert record.ended_early == (
+            "stop_when: reward/mean averaged 0.900 over steps 4-5 (at least 0.8); the run ended "
+            f"after step 5 of {config.steps}"
+        )
         assert not record.target_reached(5)  # step 5 is not logged any more
         record.rewind(4)  # an actor restored from the checkpoint after step 3
         assert not record.target_reached(4)
+
+
+def test_a_run_that_meets_its_target_at_its_last_step_simply_ends(tmp_path: Path) -> None:
+    config = load_config(
+        RunConfig, TOY, [f"run_dir={tmp_path}", "steps=3", "stop_when.at_least=0.8"]
+    )
+    lines = [json.dumps({"step": k, "reward/mean": 0.9}) for k in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with MetricsSink(tmp_path, Console(quiet=True), tensorboard=False) as sink:
+        record = RunRecord(config.model_copy(update={"run_id": "r"}), sink, Progress(), None)  # type: ignore[arg-type]
+        record.rewind(3)
+        assert not record.target_reached(2)
+        assert record.ended_early is None
+
+
+async def test_the_run_s_record_says_why_it_ended(tmp_path: Path) -> None:
+    """`recorded_run` (real SQLite): an early end's reason on `completed`, the error on
+    `failed`, nothing on a run that ran its steps."""
+    store = AsyncStore.open(f"sqlite:///{tmp_path}/runs.db")
+    await store.migrate()
+    try:
+        for run_id, reason in [("early", "stop_when: ...; the run ended after step 5 of 9"),
+                               ("whole", None)]:  # fmt: skip
+            config = load_config(RunConfig, TOY, [f"run_dir={tmp_path}", f"run_id={run_id}"])
+            async with recorded_run(store, config, resume=False) as ending:
+                assert (await store.get_run(run_id)).status == "running"
+                ending.reason = reason
+            record = await store.get_run(run_id)
+            assert (record.status, record.status_reason) == ("completed", reason)
+        config = load_config(RunConfig, TOY, [f"run_dir={tmp_path}", "run_id=broken"])
+        with pytest.raises(ValueError, match="a bad step"):
+            async with recorded_run(store, config, resume=False):
+                raise ValueError("a bad step")
+        record = await store.get_run("broken")
+        assert (record.status, record.status_reason) == ("failed", "ValueError: a bad step")
+    finally:
+        await store.close()

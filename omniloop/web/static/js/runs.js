@@ -71,7 +71,7 @@ export function runsPage(root) {
         return h("tr", { "data-run": run.id, "data-status": run.status },
           h("td", {}, h("a", { href: link }, run.name || run.id)),
           h("td", { class: "mono", title: run.id }, shortId(run.id)),
-          h("td", {}, badge(run.status)),
+          h("td", { title: run.status_reason || "" }, badge(run.status)),
           stepsCell(run),
           rewardCell(run),
           errorsCell(run),
@@ -106,6 +106,8 @@ export function runPage(root, runId, filters, onFilters) {
   const grid = h("div", { class: "charts", "data-charts": "" });
   const head = h("div", { class: "page-head" }, h("h1", {}, "Run ", h("span", { class: "mono" }, runId)));
   const message = h("div");
+  // Why the run ended as it did (its error, the target that stopped it early), if said.
+  const reason = h("p", { "data-status-reason": "" });
   const browser = episodeBrowser({ runId, filters, onFilters });
   const config = h("pre", { class: "config" });
   // Steps that saw a fault, marked on the reward chart(s).
@@ -124,7 +126,7 @@ export function runPage(root, runId, filters, onFilters) {
     },
   });
   clear(root,
-    head, message,
+    head, reason, message,
     h("details", { class: "config-box" }, h("summary", {}, "Resolved configuration"), config),
     h("h2", {}, "Metrics"), grid,
     h("h2", {}, "Faults"), faults.el,
@@ -138,6 +140,8 @@ export function runPage(root, runId, filters, onFilters) {
     clear(head, h("h1", {}, run.name || "Run"), badge(run.status),
       h("span", { class: "mono muted" }, run.id),
       h("span", { class: "muted" }, `started ${fmtTime(run.created_at)}`));
+    reason.className = run.status === "failed" ? "err" : "muted";
+    reason.textContent = run.status_reason || "";
     config.textContent = JSON.stringify(run.config, null, 2);
   }).catch((err) => clear(message, errorBox(err)));
 
