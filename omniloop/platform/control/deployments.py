@@ -68,6 +68,10 @@ def role_options(config: RunConfig, role: str) -> dict[str, Any]:
         "max_queued_requests": settings.max_queued_requests,
         "health_check_period_s": settings.health_check_period_s,
         "health_check_timeout_s": settings.health_check_timeout_s,
+        # A stopping replica sleeps this long before it first counts its requests, and again
+        # while any runs (Serve's default: 2 s): an idle replica of a run that ends or a role
+        # that is removed stops at once, a busy one still finishes its requests.
+        "graceful_shutdown_wait_loop_s": 0.2,
         "ray_actor_options": options,
     }
     if where is not None and where.max_replicas_per_node is not None:

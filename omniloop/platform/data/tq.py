@@ -221,8 +221,10 @@ class DataPlane:
         """Join (or start) Ray and the queue, and connect a client. Blocks for a few seconds.
 
         If this process has not joined Ray, it starts a private instance (or joins
-        `config.ray_address`). If no TransferQueue controller runs in the cluster, it starts
-        one with its storage units. `close()` undoes exactly what was started here.
+        `config.ray_address`). If no TransferQueue controller runs in the cluster, a driver
+        starts one with its storage units; inside a Ray actor (a role's replica) this waits,
+        up to a minute, for the driver that owns the run's queue to have started it. `close()`
+        undoes exactly what was started here.
         """
         config = config or DataPlaneConfig()
         owns_ray, temp_dir = _ensure_ray(config)
@@ -667,8 +669,14 @@ def _find_controller() -> Any | None:
 
 
 def _ensure_queue(config: DataPlaneConfig) -> bool:
-    """Start TransferQueue unless its controller already runs in the cluster; True if started."""
+    """Start TransferQueue unless its controller already runs in the cluster, or this process
+    is a Ray actor; True if started."""
     if _find_controller() is not None:
+        return False
+    if ray.get_runtime_context().get_actor_id() is not None:
+        # A role's replica: the queue is the run's, started (and closed) by its driver, which
+        # may still be starting it (`_controller_config` waits). One started here would end
+        # with this replica.
         return False
     storage: dict[str, Any] = {"num_data_storage_units": config.num_storage_units}
     if config.storage_capacity is not None:
@@ -699,6 +707,11 @@ def _controller_config() -> DictConfig:
         if time.monotonic() > deadline:
             raise DataPlaneError(
                 f"TransferQueue controller not ready within {_CONTROLLER_READY_TIMEOUT_S:g} s"
+                + (
+                    " (a role's replica joins the queue its run's driver starts)"
+                    if controller is None
+                    else ""
+                )
             )
         # Another process is still initialising the queue; this runs only during start-up.
         time.sleep(0.2)

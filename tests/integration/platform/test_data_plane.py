@@ -12,9 +12,12 @@ import asyncio
 import itertools
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import aclosing
+from pathlib import Path
 
 import psutil
 import pytest
@@ -453,6 +456,48 @@ async def test_reader_keeps_the_callers_torch_thread_count(
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+# Its own Ray instance (this module's has a queue already), in a child process.
+_REPLICA_WAITS = """
+import time, ray
+from omniloop.platform.data import DataPlane
+
+ray.init(address="local", num_cpus=2, include_dashboard=False)
+
+@ray.remote(num_cpus=0)
+class Replica:
+    def ready(self):
+        return True
+
+    def join(self):
+        plane = DataPlane.start()
+        owned = plane._owns_queue
+        plane.close()
+        return owned
+
+replica = Replica.remote()
+ray.get(replica.ready.remote(), timeout=120)
+joined = replica.join.remote()
+time.sleep(2)  # the replica looks for the queue first; a replica used to start its own
+driver = DataPlane.start()
+print("replica owns the queue:", ray.get(joined, timeout=120))
+print("driver owns the queue:", driver._owns_queue)
+driver.close()
+ray.shutdown()
+"""
+
+
+def test_a_replica_waits_for_the_queue_its_driver_starts(tmp_path: Path) -> None:
+    """A Ray actor (a role's replica) never starts the queue, which would end with that
+    replica: it waits for the one the run's driver starts."""
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLICA_WAITS],
+        capture_output=True, text=True, timeout=170, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "replica owns the queue: False" in done.stdout, done.stdout
+    assert "driver owns the queue: True" in done.stdout, done.stdout
 
 
 def test_closing_the_owner_stops_the_queue_and_ray(plane: DataPlane, ray_temp_dir: str) -> None:
