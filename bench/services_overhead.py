@@ -161,9 +161,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sys.path.insert(0, str(TOY))
-
-    from warm_start import warm_start
+    if args.task == "toy":  # its siblings' names (`agent`) are the calculator's too
+        sys.path.insert(0, str(TOY))
 
     steps: dict[str, list[float]] = {"in_process": [], "services": []}
     episodes: dict[str, list[float]] = {"in_process": [], "services": []}
@@ -175,7 +174,11 @@ def main() -> None:
     machine: dict[str, float] = {"in_process": 0.0, "services": 0.0}
     with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch, CpuSampler() as sampler:
         root = Path(scratch)
-        model = warm_start(root / "model") if args.task == "toy" else None
+        model = None
+        if args.task == "toy":
+            from warm_start import warm_start
+
+            model = warm_start(root / "model")
         for round_ in range(args.rounds):
             for mode in ("in_process", "services"):
                 extra = args.set if mode == "services" else []
