@@ -10,8 +10,9 @@ Two layers, each with its own period (typed config, `services.*`):
   `health_poll_s`: a deployment that is not HEALTHY, or runs fewer replicas than it should, is
   down (`FaultTimeline.role_down`, with Serve's message as the cause); once it is back it is up
   (`role_up`, which closes the fault with its recovery time). A poll that fails (the Serve
-  controller itself not answering) counts against `max_failed_polls`; past it the run fails,
-  since no role can be recovered without the controller.
+  controller itself gone: the call raises) counts against `max_failed_polls`; past it the run
+  fails, since no role can be recovered without the controller. Not covered: a controller
+  that is alive but never answers holds the poll (it has no timeout).
 
 Applications that come and go while the run lasts (the engines the api role launches on
 request, `engine+N`) are followed by name prefix (`follow`) from their first healthy poll until
