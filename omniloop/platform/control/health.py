@@ -10,9 +10,10 @@ Two layers, each with its own period (typed config, `services.*`):
   `health_poll_s`: a deployment that is not HEALTHY, or runs fewer replicas than it should, is
   down (`FaultTimeline.role_down`, with Serve's message as the cause); once it is back it is up
   (`role_up`, which closes the fault with its recovery time). A poll that fails (the Serve
-  controller itself gone: the call raises) counts against `max_failed_polls`; past it the run
-  fails, since no role can be recovered without the controller. Not covered: a controller
-  that is alive but never answers holds the poll (it has no timeout).
+  controller itself gone: the call raises; or alive but stuck: no answer within
+  `health_poll_timeout_s`) counts against `max_failed_polls`; past it the run fails, since no
+  role can be recovered without the controller. A poll that timed out is abandoned, not
+  cancelled: the controller answers it, unread, if it ever resumes.
 
 Applications that come and go while the run lasts (the engines the api role launches on
 request, `engine+N`) are followed by name prefix (`follow`) from their first healthy poll until
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omniloop.errors import OmniloopError
@@ -44,8 +45,10 @@ class HealthMonitor:
         timeline: FaultTimeline,
         *,
         period_s: float,
+        poll_timeout_s: float,
         max_failed_polls: int,
         follow: Mapping[str, int] | None = None,
+        read_status: Callable[[float], Mapping[str, tuple[str, int, str]]] | None = None,
     ) -> None:
         self._replicas = dict(replicas)
         """Role (Serve application and deployment name) -> replicas it should run."""
@@ -56,7 +59,10 @@ class HealthMonitor:
         """Followed applications that have been healthy, while they are deployed."""
         self._timeline = timeline
         self._period_s = period_s
+        self._poll_timeout_s = poll_timeout_s
         self._max_failed_polls = max_failed_polls
+        self._read_status = read_status or deployment_status
+        """Reads every role's status, waiting at most the given seconds (else it raises)."""
 
     async def run(self) -> None:
         """Poll until cancelled; raises `ServeControllerLost` after too many failed polls."""
@@ -64,7 +70,7 @@ class HealthMonitor:
         while True:
             polled_at = time.time()
             try:
-                status = await asyncio.to_thread(_deployment_status)
+                status = await asyncio.to_thread(self._read_status, self._poll_timeout_s)
             except Exception as err:
                 failed += 1
                 if failed >= self._max_failed_polls:
@@ -102,19 +108,24 @@ class HealthMonitor:
                 self._timeline.role_down(role, f"{running} of {wanted} replicas running: {cause}")
 
 
-def _deployment_status() -> dict[str, tuple[str, int, str]]:
-    """Role -> (deployment status, running replicas, message), from Ray Serve's controller.
+def deployment_status(timeout_s: float) -> dict[str, tuple[str, int, str]]:
+    """Role -> (deployment status, running replicas, message), from Ray Serve's controller;
+    `ray.exceptions.GetTimeoutError` when it does not answer within `timeout_s`.
 
     The controller's details are read as it sends them (plain JSON-ready dicts), not through
     `serve.status()`: that re-validates them into pydantic models on this side, which pickles
     each deployment's request-router class again, about 20 ms of the driver's CPU a poll
-    against under 2 ms. The client call is Serve's own (`serve.status()` makes the same one);
-    Ray is pinned, and `tests/unit/platform/test_health_status.py` holds the shape read here."""
+    against under 2 ms. The call is the one Serve's client makes for `serve.status()`, made
+    here on the client's controller handle so that it can have a timeout (the client's own
+    waits forever); Ray is pinned, and `tests/unit/platform/test_health_status.py` holds the
+    shape read here."""
+    import ray
     from ray.serve.context import _get_global_client
 
     client = _get_global_client()
     assert client is not None  # it raises when no controller runs
-    return statuses_from_details(client.get_serve_details())
+    details = ray.get(client._controller.get_serve_instance_details.remote(), timeout=timeout_s)
+    return statuses_from_details(details)
 
 
 def statuses_from_details(details: Mapping[str, Any]) -> dict[str, tuple[str, int, str]]:

@@ -98,8 +98,12 @@ class ServicesConfig(StrictModel):
     """Port of the api role's HTTP proxy; 0 picks a free one."""
     health_poll_s: float = Field(default=1.0, gt=0)
     """Seconds between the health monitor's polls of every role's deployment status."""
+    health_poll_timeout_s: float = Field(default=5.0, gt=0)
+    """Seconds the health monitor waits for Ray Serve's controller to answer a poll; one not
+    answered in time counts as a failed poll (a controller alive but stuck)."""
     max_failed_polls: int = Field(default=30, ge=1)
-    """Consecutive polls Ray Serve may fail to answer before the run fails."""
+    """Consecutive polls Ray Serve may fail to answer (an error, or no answer within
+    `health_poll_timeout_s`) before the run fails."""
     placement: dict[
         Literal[
             "actor",

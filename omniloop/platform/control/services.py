@@ -377,6 +377,7 @@ async def service_roles(
                 },
                 timeline,
                 period_s=settings.health_poll_s,
+                poll_timeout_s=settings.health_poll_timeout_s,
                 max_failed_polls=settings.max_failed_polls,
                 follow={LAUNCHED: 1},
             ),

@@ -42,7 +42,12 @@ def test_the_monitor_follows_launched_engines_from_their_first_healthy_poll() ->
 
     timeline = FaultTimeline(settle_s=60.0)
     monitor = HealthMonitor(
-        {"actor": 1}, timeline, period_s=1.0, max_failed_polls=3, follow={"engine+": 1}
+        {"actor": 1},
+        timeline,
+        period_s=1.0,
+        poll_timeout_s=1.0,
+        max_failed_polls=3,
+        follow={"engine+": 1},
     )
     now = time.time()
 
