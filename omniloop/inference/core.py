@@ -42,8 +42,12 @@ Contracts:
   whole and report `cached_tokens` 0): a finished sequence's keys and values are copied
   into one of `prefix_cache_slots` retained slots; a request whose prompt extends a retained
   prefix (whole blocks of 16 tokens) copies it back and prefills only the rest, reported as
-  `cached_tokens`. A weight update or `flush_cache` empties it. The outputs are those of a full
-  prefill up to float rounding (the attention over the cached part is computed in another
+  `cached_tokens`. Prompts admitted together share their common block-aligned prefixes the
+  same way (a GRPO group's samples, a common system prompt): the first of them is prefilled,
+  then the others copy the shared part from its slot and prefill the rest, in a second forward
+  (only when that saves at least `MIN_SHARED_TOKENS`); the copied tokens count as
+  `cached_tokens` too. A weight update or `flush_cache` empties it. The outputs are those of a
+  full prefill up to float rounding (the attention over the cached part is computed in another
   order).
 - Weight-update groups (`weight_groups.WeightGroups`): `init_weights_update_group` joins a
   trainer's torch.distributed group and `update_weights_from_distributed` receives one
@@ -84,7 +88,7 @@ from omniloop.inference.generation import (
     WeightUpdateResult,
 )
 from omniloop.inference.media_input import check_placeholders
-from omniloop.inference.prefix_cache import PrefixIndex
+from omniloop.inference.prefix_cache import PrefixIndex, shared_prefixes
 from omniloop.inference.runner import ModelRunner, RunnerInfo, RunnerWeights, load_runner
 from omniloop.inference.sampling import GREEDY_EPS, sample
 from omniloop.inference.weight_groups import WeightGroups, WeightSpec
@@ -108,6 +112,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+MIN_SHARED_TOKENS = 64
+"""Fewest prompt tokens that sharing prefixes within one prefill must save: the followers'
+second forward reads every weight again, which costs about what prefilling a few dozen tokens
+does on a CPU."""
 
 
 def available_cores() -> int:
@@ -702,25 +711,52 @@ class EngineCore:
 
     def _prefill(self, seqs: list[_Sequence]) -> None:
         base = len(self._active)
-        slots = list(range(base, base + len(seqs)))
-        for seq, slot in zip(seqs, slots, strict=True):
+        for i, seq in enumerate(seqs):
+            seq.slot = base + i
             hit = self._prefixes.lookup(seq.req.input_ids)
             if hit is not None:
                 held, seq.prefix_hit = hit
-                self.runner.move(held, slot, seq.prefix_hit)
-                self.cached_tokens += seq.prefix_hit
-        logits = self.runner.prefill(
-            slots,
+                self.runner.move(held, seq.slot, seq.prefix_hit)
+        followers = self._shared_prefixes(seqs)
+        leaders = [i for i in range(len(seqs)) if i not in followers]
+        rows: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        for i, row in zip(leaders, self._prefill_rows([seqs[i] for i in leaders]), strict=True):
+            rows[i] = row
+        if followers:
+            for i, (leader, length) in followers.items():
+                self.runner.move(seqs[leader].slot, seqs[i].slot, length)
+                seqs[i].prefix_hit = length
+            later = list(followers)
+            for i, row in zip(later, self._prefill_rows([seqs[i] for i in later]), strict=True):
+                rows[i] = row
+        for seq in seqs:
+            self.cached_tokens += seq.prefix_hit
+            seq.cached = len(seq.req.input_ids)
+            seq.generator = self._generator(seq.req)
+        self._active.extend(seqs)
+        self._sample_and_finish(torch.stack(rows), seqs)
+
+    def _shared_prefixes(self, seqs: list[_Sequence]) -> dict[int, tuple[int, int]]:
+        """The prompts of `seqs` that copy a prefix from another of them (`shared_prefixes`),
+        when that saves at least `MIN_SHARED_TOKENS`; none without a prefix cache (no retained
+        slots: a runner without one, or `prefix_cache_slots=0`) or with a prompt's media
+        (their placeholders are alike, the media not)."""
+        if not len(self._prefixes.slots) or any(s.req.media for s in seqs):
+            return {}
+        followers = shared_prefixes(
+            [s.req.input_ids for s in seqs], [s.prefix_hit for s in seqs], self._prefixes.block
+        )
+        saved = sum(length - seqs[i].prefix_hit for i, (_, length) in followers.items())
+        return followers if saved >= MIN_SHARED_TOKENS else {}
+
+    def _prefill_rows(self, seqs: list[_Sequence]) -> torch.Tensor:
+        """Prefill `seqs` into their slots past their `prefix_hit`; their next-token logits."""
+        return self.runner.prefill(
+            [s.slot for s in seqs],
             [s.req.input_ids[s.prefix_hit :] for s in seqs],
             offsets=[s.prefix_hit for s in seqs],
             media=[s.req.media for s in seqs],
         )
-        for seq, slot in zip(seqs, slots, strict=True):
-            seq.slot = slot
-            seq.cached = len(seq.req.input_ids)
-            seq.generator = self._generator(seq.req)
-        self._active.extend(seqs)
-        self._sample_and_finish(logits, seqs)
 
     def _decode_step(self, seqs: list[_Sequence]) -> None:
         tokens = torch.tensor([s.output_ids[-1] for s in seqs], dtype=torch.long)

@@ -6,6 +6,10 @@ sequence finishes, the engine copies its keys and values into a retained slot an
 tokens here; a later request whose prompt starts with those tokens has that part copied back
 into its own slot and prefills only the rest.
 
+Prompts admitted together share their common prefixes too (`shared_prefixes`): the samples of
+one GRPO group (the same prompt several times), or episodes that open with the same system
+prompt, have that part prefilled once and copied to the others, which prefill only the rest.
+
 Prefixes are matched in whole blocks of `block` tokens (a chained hash per block, checked
 against the stored tokens, so a hash collision can never serve wrong keys), and at least one
 token of a prompt is always left to prefill: its logits start the generation. Slots are reused
@@ -27,6 +31,8 @@ class PrefixIndex:
         if block < 1:
             raise ValueError(f"block must be at least 1 token, got {block}")
         self.block = block
+        self.slots = tuple(slots)
+        """Every slot it may fill (none: the prefix cache is off)."""
         self._free = list(slots)
         self._tokens: dict[int, list[int]] = {}
         """Slot -> the block-aligned tokens whose keys and values it holds."""
@@ -100,3 +106,38 @@ class PrefixIndex:
             self._free.append(slot)
         self._recent.clear()
         return len(held)
+
+
+def shared_prefixes(
+    prompts: Sequence[Sequence[int]], cached: Sequence[int], block: int = 16
+) -> dict[int, tuple[int, int]]:
+    """Which prompts of one prefill batch can copy a prefix from another of the batch.
+
+    Returns follower index -> `(leader index, shared length)`: the leader's prompt starts with
+    the same `shared length` tokens (whole blocks of `block`), which is shorter than the
+    follower's prompt (at least one token is left to prefill) and longer than the `cached`
+    prefix the follower already has. A leader is never a follower, so prefilling the leaders
+    first, then the followers after copying their prefixes, takes two passes."""
+    followers: dict[int, tuple[int, int]] = {}
+    leaders: list[int] = []
+    for i, prompt in enumerate(prompts):
+        best, best_length = -1, cached[i]
+        for j in leaders:
+            length = _common_blocks(prompts[j], prompt, block)
+            if length > best_length:
+                best, best_length = j, length
+        if best >= 0:
+            followers[i] = (best, best_length)
+        else:
+            leaders.append(i)
+    return followers
+
+
+def _common_blocks(leader: Sequence[int], prompt: Sequence[int], block: int) -> int:
+    """The length, in whole blocks, of the common prefix of `leader` and `prompt`, leaving at
+    least one token of `prompt` past it."""
+    limit = min(len(leader) // block, (len(prompt) - 1) // block) * block
+    n = 0
+    while n < limit and leader[n : n + block] == prompt[n : n + block]:
+        n += block
+    return n

@@ -13,8 +13,10 @@ Slot contract (what the scheduler relies on, and each runner keeps):
 - slots `0..B-1` hold the `B` running sequences, packed; `prefill` writes new sequences into
   the slots it is given (right after the running ones) and returns their next-token logits;
   `decode` runs one token for each of slots `0..B-1`;
-- `move(src, dst, n)` moves the first `n` positions of `src` to `dst`, after which `src` is
-  free (the scheduler never reads a slot it moved away from);
+- `move(src, dst, n)` moves the first `n` positions of `src` to `dst`; a runner without
+  `RunnerInfo.prefix_cache` may then consider `src` free (the scheduler never reads it again);
+  one with it keeps `src` as it was: the scheduler copies retained prefixes and, within one
+  prefill, a prompt's shared prefix out of a slot it goes on using;
 - slots from `max_batch` on are retained prefixes of the prefix cache, only where
   `RunnerInfo.prefix_cache` is true (the scheduler gives a runner without it no such slot).
 
@@ -122,7 +124,8 @@ class ModelRunner(Protocol):
         ...
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """Move the first `length` cached positions of slot `src` to slot `dst`."""
+        """Move the first `length` cached positions of slot `src` to slot `dst` (a copy, where
+        `info.prefix_cache`: module docstring)."""
         ...
 
     def checkpoint(self, folder: Path) -> list[tuple[str, torch.Tensor]]:

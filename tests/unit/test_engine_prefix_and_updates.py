@@ -19,7 +19,7 @@ import torch
 from omniloop.inference.core import EngineCore, GenerationRequest, GenerationResult
 from omniloop.inference.llama import read_safetensors
 from omniloop.inference.models import resolve_model
-from omniloop.inference.prefix_cache import PrefixIndex
+from omniloop.inference.prefix_cache import PrefixIndex, shared_prefixes
 
 BLOCK = 16
 
@@ -50,6 +50,22 @@ def test_the_least_recently_used_prefix_makes_room() -> None:
     assert index.clear() == 2
     assert index.lookup([*a, 9]) is None
     assert len(index) == 0
+
+
+def test_prompts_of_one_batch_share_their_common_block_aligned_prefixes() -> None:
+    group = list(range(10))
+    other = [*range(6), 99, 98, 97]
+    prompts = [group, [50, 51, 52, 53, 54], group, other, group[:8], [*group, 7]]
+    # Index 2 (the same prompt) and 3 (the same first block and a half) follow 0; 4 is the
+    # first 8 tokens of 0, and keeps one token to prefill; 5 already has 8 cached from
+    # elsewhere, and copies 8 from 0 only if that is longer (it is not).
+    assert shared_prefixes(prompts, [0, 0, 0, 0, 0, 8], block=4) == {
+        2: (0, 8),
+        3: (0, 4),
+        4: (0, 4),
+    }
+    assert shared_prefixes([group, [1, *group]], [0, 0], block=4) == {}
+    assert shared_prefixes([[1, 2, 3], [1, 2, 3]], [0, 0], block=4) == {}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +119,40 @@ def test_a_turn_that_extends_the_last_prefills_only_what_is_new(
         assert with_cache[turn].cached_tokens == computed // BLOCK * BLOCK
         prompt_length += len(with_cache[turn - 1].output_ids) + 11 + turn - 1
     for a, b in zip(with_cache, without, strict=True):
+        assert a.output_ids == b.output_ids
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+
+
+def batch(core: EngineCore, prompts: list[list[int]], **sampling: Any) -> list[GenerationResult]:
+    """`prompts` admitted in one prefill: submitted while the engine is paused."""
+    core.pause().result(timeout=10)
+    futures = [
+        core.submit(GenerationRequest(input_ids=p, max_new_tokens=12, ignore_eos=True, **sampling))
+        for p in prompts
+    ]
+    core.resume().result(timeout=10)
+    return [f.result(timeout=120) for f in futures]
+
+
+@pytest.mark.parametrize(
+    "sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}], ids=["greedy", "seeded"]
+)
+def test_a_group_of_one_prompt_is_prefilled_once(
+    cores: tuple[EngineCore, EngineCore], sampling: dict[str, Any]
+) -> None:
+    """A GRPO group (the same prompt three times) and a prompt sharing its first 40 tokens, in
+    one prefill: the first is prefilled whole, the others copy what they share from it."""
+    cached, plain = cores
+    cached.flush_cache().result(timeout=10)
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, 2000, (50,), generator=gen).tolist()
+    sibling = [*prompt[:40], *torch.randint(3, 2000, (20,), generator=gen).tolist()]
+    prompts = [prompt, prompt, sibling, prompt]
+    shared = batch(cached, prompts, **sampling)
+    without = batch(plain, prompts, **sampling)
+    assert [r.cached_tokens for r in without] == [0, 0, 0, 0]
+    assert [r.cached_tokens for r in shared] == [0, 48, 32, 48]
+    for a, b in zip(shared, without, strict=True):
         assert a.output_ids == b.output_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
 
