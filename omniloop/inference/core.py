@@ -43,12 +43,13 @@ Contracts:
   into one of `prefix_cache_slots` retained slots; a request whose prompt extends a retained
   prefix (whole blocks of 16 tokens) copies it back and prefills only the rest, reported as
   `cached_tokens`. Prompts admitted together share their common block-aligned prefixes the
-  same way (a GRPO group's samples, a common system prompt): the first of them is prefilled,
-  then the others copy the shared part from its slot and prefill the rest, in a second forward
-  (only when that saves at least `MIN_SHARED_TOKENS`); the copied tokens count as
-  `cached_tokens` too. A weight update or `flush_cache` empties it. The outputs are those of a
-  full prefill up to float rounding (the attention over the cached part is computed in another
-  order).
+  same way (a GRPO group's samples, a common system prompt), with a running sequence (copied
+  from its slot before the prefill; only one admitted since the last weight update) or with
+  each other (the first of them is prefilled, then the others copy the shared part from its
+  slot and prefill the rest in a second forward, only when that saves at least
+  `MIN_SHARED_TOKENS`); the copied tokens count as `cached_tokens` too. A weight update or
+  `flush_cache` empties it. The outputs are those of a full prefill up to float rounding (the
+  attention over the cached part is computed in another order).
 - Weight-update groups (`weight_groups.WeightGroups`): `init_weights_update_group` joins a
   trainer's torch.distributed group and `update_weights_from_distributed` receives one
   broadcast bucket on the calling thread, so generation goes on while the bytes arrive; only
@@ -139,6 +140,9 @@ class _Sequence:
     version: int = 0
     prefix_hit: int = 0
     """Prompt tokens taken from the prefix cache."""
+    loads_at_admission: int = 0
+    """The engine's count of weight loads when it was admitted: while that count is the same,
+    its cached keys and values are those of the weights loaded now."""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
@@ -213,6 +217,8 @@ class EngineCore:
         # Slots 0..max_batch-1 hold the running sequences (packed), the rest retained prefixes.
         retained = prefix_cache_slots if self.info.prefix_cache else 0
         self._prefixes = PrefixIndex(range(max_batch, max_batch + retained))
+        self._weight_loads = 0
+        """Weight updates applied so far (each one's keys and values differ from the last's)."""
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(self.model_path)
         self.media_tokens: MediaTokens | None = None
         """The placeholder ids of a model that takes media (None for a text-only one)."""
@@ -652,6 +658,7 @@ class EngineCore:
         # Keys and values of the old weights serve no new request (the running sequences keep
         # theirs: an update in place goes on from them).
         self._prefixes.clear()
+        self._weight_loads += 1
         try:
             self.weights.load(update.named)
         except Exception as err:
@@ -686,6 +693,7 @@ class EngineCore:
                     break
                 self._waiting.popleft()
                 seq.version = self._weight_version
+                seq.loads_at_admission = self._weight_loads
                 if seq.req.max_new_tokens == 0:
                     seq.finish = ("length", None, None)
                     self._deliver(seq)
@@ -717,16 +725,23 @@ class EngineCore:
             if hit is not None:
                 held, seq.prefix_hit = hit
                 self.runner.move(held, seq.slot, seq.prefix_hit)
-        followers = self._shared_prefixes(seqs)
-        leaders = [i for i in range(len(seqs)) if i not in followers]
+        running = self._sharing_sources()
+        sources = [*running, *seqs]
+        followers = self._shared_prefixes(seqs, running)
+        # Followers of a running sequence copy now; those of a prompt of this batch, once it
+        # has been prefilled.
+        later = [i for i, (source, _) in followers.items() if source >= len(running)]
+        for i, (source, length) in followers.items():
+            if i not in later:
+                self._copy_prefix(sources[source], seqs[i], length)
         rows: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-        for i, row in zip(leaders, self._prefill_rows([seqs[i] for i in leaders]), strict=True):
+        first = [i for i in range(len(seqs)) if i not in later]
+        for i, row in zip(first, self._prefill_rows([seqs[i] for i in first]), strict=True):
             rows[i] = row
-        if followers:
-            for i, (leader, length) in followers.items():
-                self.runner.move(seqs[leader].slot, seqs[i].slot, length)
-                seqs[i].prefix_hit = length
-            later = list(followers)
+        if later:
+            for i in later:
+                source, length = followers[i]
+                self._copy_prefix(sources[source], seqs[i], length)
             for i, row in zip(later, self._prefill_rows([seqs[i] for i in later]), strict=True):
                 rows[i] = row
         for seq in seqs:
@@ -736,18 +751,45 @@ class EngineCore:
         self._active.extend(seqs)
         self._sample_and_finish(torch.stack(rows), seqs)
 
-    def _shared_prefixes(self, seqs: list[_Sequence]) -> dict[int, tuple[int, int]]:
-        """The prompts of `seqs` that copy a prefix from another of them (`shared_prefixes`),
-        when that saves at least `MIN_SHARED_TOKENS`; none without a prefix cache (no retained
-        slots: a runner without one, or `prefix_cache_slots=0`) or with a prompt's media
-        (their placeholders are alike, the media not)."""
-        if not len(self._prefixes.slots) or any(s.req.media for s in seqs):
+    def _sharing_sources(self) -> list[_Sequence]:
+        """The running sequences whose cached keys and values a new prompt may copy: those of
+        the weights now loaded (one admitted before an update in place holds older ones, and an
+        update may keep the version number)."""
+        if not self._prefixes.slots:
+            return []
+        return [s for s in self._active if s.loads_at_admission == self._weight_loads]
+
+    def _shared_prefixes(
+        self, seqs: list[_Sequence], running: list[_Sequence]
+    ) -> dict[int, tuple[int, int]]:
+        """The prompts of `seqs` that copy a prefix from a `running` sequence or another prompt
+        of `seqs` (sources numbered in that order): `shared_prefixes`'s answer, without
+        the followers of `seqs` when what they save is below `MIN_SHARED_TOKENS` (they cost a
+        second forward). None without a prefix cache (no retained slots: a runner without one,
+        or `prefix_cache_slots=0`) or with a prompt's media (their placeholders are alike, the
+        media not)."""
+        if not self._prefixes.slots or any(s.req.media for s in seqs):
             return {}
+        held = [[*s.req.input_ids, *s.output_ids][: s.cached] for s in running]
         followers = shared_prefixes(
-            [s.req.input_ids for s in seqs], [s.prefix_hit for s in seqs], self._prefixes.block
+            [s.req.input_ids for s in seqs],
+            [s.prefix_hit for s in seqs],
+            held=held,
+            block=self._prefixes.block,
         )
-        saved = sum(length - seqs[i].prefix_hit for i, (_, length) in followers.items())
-        return followers if saved >= MIN_SHARED_TOKENS else {}
+        saved = sum(
+            length - seqs[i].prefix_hit
+            for i, (source, length) in followers.items()
+            if source >= len(running)
+        )
+        if saved < MIN_SHARED_TOKENS:
+            followers = {i: f for i, f in followers.items() if f[0] < len(running)}
+        return followers
+
+    def _copy_prefix(self, source: _Sequence, seq: _Sequence, length: int) -> None:
+        """Give `seq` the first `length` cached positions of `source`, as its prefix hit."""
+        self.runner.move(source.slot, seq.slot, length)
+        seq.prefix_hit = length
 
     def _prefill_rows(self, seqs: list[_Sequence]) -> torch.Tensor:
         """Prefill `seqs` into their slots past their `prefix_hit`; their next-token logits."""

@@ -6,9 +6,10 @@ sequence finishes, the engine copies its keys and values into a retained slot an
 tokens here; a later request whose prompt starts with those tokens has that part copied back
 into its own slot and prefills only the rest.
 
-Prompts admitted together share their common prefixes too (`shared_prefixes`): the samples of
-one GRPO group (the same prompt several times), or episodes that open with the same system
-prompt, have that part prefilled once and copied to the others, which prefill only the rest.
+Prompts admitted together share their common prefixes too, with each other and with the
+sequences running (`shared_prefixes`): the samples of one GRPO group (the same prompt several
+times), or episodes that open with the same system prompt, have that part prefilled once and
+copied to the others, which prefill only the rest.
 
 Prefixes are matched in whole blocks of `block` tokens (a chained hash per block, checked
 against the stored tokens, so a hash collision can never serve wrong keys), and at least one
@@ -109,27 +110,36 @@ class PrefixIndex:
 
 
 def shared_prefixes(
-    prompts: Sequence[Sequence[int]], cached: Sequence[int], block: int = 16
+    prompts: Sequence[Sequence[int]],
+    cached: Sequence[int],
+    *,
+    held: Sequence[Sequence[int]] = (),
+    block: int = 16,
 ) -> dict[int, tuple[int, int]]:
-    """Which prompts of one prefill batch can copy a prefix from another of the batch.
+    """Which prompts of one prefill batch can copy a prefix from a sequence already in the
+    cache or from another prompt of the batch.
 
-    Returns follower index -> `(leader index, shared length)`: the leader's prompt starts with
-    the same `shared length` tokens (whole blocks of `block`), which is shorter than the
+    `held` are the tokens whose keys and values running sequences hold in their slots.
+    Returns follower index -> `(source, shared length)`: the source is `held[source]` when
+    `source < len(held)`, else prompt `source - len(held)` of the batch; it starts with the
+    same `shared length` tokens (whole blocks of `block`), which is shorter than the
     follower's prompt (at least one token is left to prefill) and longer than the `cached`
-    prefix the follower already has. A leader is never a follower, so prefilling the leaders
-    first, then the followers after copying their prefixes, takes two passes."""
+    prefix the follower already has. A prompt of the batch that is a source is never a
+    follower, so prefilling the others first, then the followers of batch prompts after copying
+    their prefixes, takes at most two passes."""
     followers: dict[int, tuple[int, int]] = {}
-    leaders: list[int] = []
+    sources = list(range(len(held)))
     for i, prompt in enumerate(prompts):
         best, best_length = -1, cached[i]
-        for j in leaders:
-            length = _common_blocks(prompts[j], prompt, block)
+        for source in sources:
+            tokens = held[source] if source < len(held) else prompts[source - len(held)]
+            length = _common_blocks(tokens, prompt, block)
             if length > best_length:
-                best, best_length = j, length
+                best, best_length = source, length
         if best >= 0:
             followers[i] = (best, best_length)
         else:
-            leaders.append(i)
+            sources.append(len(held) + i)
     return followers
 
 

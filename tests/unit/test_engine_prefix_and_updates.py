@@ -66,6 +66,13 @@ def test_prompts_of_one_batch_share_their_common_block_aligned_prefixes() -> Non
     }
     assert shared_prefixes([group, [1, *group]], [0, 0], block=4) == {}
     assert shared_prefixes([[1, 2, 3], [1, 2, 3]], [0, 0], block=4) == {}
+    # Sources are numbered running sequences first: prompts 0 and 1 copy 8 tokens from running
+    # sequence 1; prompt 2 shares nothing.
+    held = [[7] * 12, [*group, 5, 5]]
+    assert shared_prefixes([[*group, 1], [*group, 1], [9] * 9], [0, 0, 0], held=held, block=4) == {
+        0: (1, 8),
+        1: (1, 8),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +162,49 @@ def test_a_group_of_one_prompt_is_prefilled_once(
     for a, b in zip(shared, without, strict=True):
         assert a.output_ids == b.output_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
+
+
+def _started(core: EngineCore, request: GenerationRequest) -> Any:
+    """Submit `request` and return its future once its prefill and a few decode steps ran."""
+    passes = core.forward_passes
+    future = core.submit(request)
+    deadline = time.monotonic() + 60
+    while core.forward_passes < passes + 5:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.001)
+    return future
+
+
+def test_a_prompt_copies_what_it_shares_with_a_running_sequence(
+    cores: tuple[EngineCore, EngineCore],
+) -> None:
+    """A group's later samples, arriving while the first already runs, copy the prompt from
+    its slot; not once an update has landed since that one was admitted."""
+    cached, plain = cores
+    cached.flush_cache().result(timeout=10)
+    gen = torch.Generator().manual_seed(13)
+    prompt = torch.randint(3, 2000, (50,), generator=gen).tolist()
+    extended = [*prompt, *torch.randint(3, 2000, (9,), generator=gen).tolist()]
+    long = GenerationRequest(input_ids=prompt, max_new_tokens=300, ignore_eos=True)
+    running = _started(cached, long)
+    copied = [generate(cached, p, temperature=0.0) for p in (prompt, extended)]
+    assert not running.done()
+    assert [r.cached_tokens for r in copied] == [48, 48]
+    full = [generate(plain, p, temperature=0.0) for p in (prompt, extended)]
+    for ours, theirs in zip(copied, full, strict=True):
+        assert ours.output_ids == theirs.output_ids
+        assert ours.output_logprobs == pytest.approx(theirs.output_logprobs, abs=1e-4)
+    running.result(timeout=120)
+    # The same weights again under the same version: still an update, after which the running
+    # sequence's keys and values are not copied.
+    running = _started(cached, long)
+    same = read_safetensors(resolve_model("tiny"))
+    cached.pause().result(timeout=10)
+    cached.update_weights(list(same.items()), version=cached.weight_version).result(timeout=60)
+    cached.resume().result(timeout=10)
+    assert generate(cached, extended, temperature=0.0).cached_tokens == 0
+    assert not running.done()
+    running.result(timeout=120)
 
 
 def test_a_weight_update_or_a_flush_empties_the_prefix_cache(
