@@ -187,23 +187,34 @@ def test_a_prompt_copies_what_it_shares_with_a_running_sequence(
     extended = [*prompt, *torch.randint(3, 2000, (9,), generator=gen).tolist()]
     long = GenerationRequest(input_ids=prompt, max_new_tokens=300, ignore_eos=True)
     running = _started(cached, long)
-    copied = [generate(cached, p, temperature=0.0) for p in (prompt, extended)]
-    assert not running.done()
+    cached.pause().result(timeout=10)
+    assert cached.running == 1  # admitted in the step after `resume`, beside it
+    futures = [
+        cached.submit(
+            GenerationRequest(input_ids=p, max_new_tokens=12, ignore_eos=True, temperature=0.0)
+        )
+        for p in (prompt, extended)
+    ]
+    cached.resume().result(timeout=10)
+    copied = [f.result(timeout=120) for f in futures]
     assert [r.cached_tokens for r in copied] == [48, 48]
-    full = [generate(plain, p, temperature=0.0) for p in (prompt, extended)]
+    full = batch(plain, [prompt, extended], temperature=0.0)
     for ours, theirs in zip(copied, full, strict=True):
         assert ours.output_ids == theirs.output_ids
         assert ours.output_logprobs == pytest.approx(theirs.output_logprobs, abs=1e-4)
     running.result(timeout=120)
     # The same weights again under the same version: still an update, after which the running
-    # sequence's keys and values are not copied.
+    # sequence's keys and values are not copied (and the retained prefixes are gone).
     running = _started(cached, long)
     same = read_safetensors(resolve_model("tiny"))
     cached.pause().result(timeout=10)
+    assert cached.running == 1
     cached.update_weights(list(same.items()), version=cached.weight_version).result(timeout=60)
+    late = cached.submit(
+        GenerationRequest(input_ids=extended, max_new_tokens=12, ignore_eos=True, temperature=0.0)
+    )
     cached.resume().result(timeout=10)
-    assert generate(cached, extended, temperature=0.0).cached_tokens == 0
-    assert not running.done()
+    assert late.result(timeout=120).cached_tokens == 0
     running.result(timeout=120)
 
 
