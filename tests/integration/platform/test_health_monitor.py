@@ -30,6 +30,7 @@ class Role:
 
 
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+serve.start(proxy_location="Disabled")  # no HTTP: a proxy is one more start to wait for
 serve.run(Role.bind(), name="role", route_prefix=None)
 [controller] = [
     p for p in psutil.process_iter(["cmdline"])
