@@ -728,21 +728,18 @@ class EngineCore:
         running = self._sharing_sources()
         sources = [*running, *seqs]
         followers = self._shared_prefixes(seqs, running)
-        # Followers of a running sequence copy now; those of a prompt of this batch, once it
-        # has been prefilled.
+        # Followers of a running sequence copy before the first forward; those of a prompt of
+        # this batch before a second one, once that prompt has been prefilled.
         later = [i for i, (source, _) in followers.items() if source >= len(running)]
-        for i, (source, length) in followers.items():
-            if i not in later:
-                self._copy_prefix(sources[source], seqs[i], length)
-        rows: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
         first = [i for i in range(len(seqs)) if i not in later]
-        for i, row in zip(first, self._prefill_rows([seqs[i] for i in first]), strict=True):
-            rows[i] = row
-        if later:
-            for i in later:
-                source, length = followers[i]
-                self._copy_prefix(sources[source], seqs[i], length)
-            for i, row in zip(later, self._prefill_rows([seqs[i] for i in later]), strict=True):
+        rows: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
+        for part in (first, later) if later else (first,):
+            for i in part:
+                if i in followers:
+                    source, length = followers[i]
+                    self.runner.move(sources[source].slot, seqs[i].slot, length)
+                    seqs[i].prefix_hit = length
+            for i, row in zip(part, self._prefill_rows([seqs[i] for i in part]), strict=True):
                 rows[i] = row
         for seq in seqs:
             self.cached_tokens += seq.prefix_hit
@@ -785,11 +782,6 @@ class EngineCore:
         if saved < MIN_SHARED_TOKENS:
             followers = {i: f for i, f in followers.items() if f[0] < len(running)}
         return followers
-
-    def _copy_prefix(self, source: _Sequence, seq: _Sequence, length: int) -> None:
-        """Give `seq` the first `length` cached positions of `source`, as its prefix hit."""
-        self.runner.move(source.slot, seq.slot, length)
-        seq.prefix_hit = length
 
     def _prefill_rows(self, seqs: list[_Sequence]) -> torch.Tensor:
         """Prefill `seqs` into their slots past their `prefix_hit`; their next-token logits."""
