@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from omniloop.errors import OmniloopError
@@ -48,7 +48,6 @@ class HealthMonitor:
         poll_timeout_s: float,
         max_failed_polls: int,
         follow: Mapping[str, int] | None = None,
-        read_status: Callable[[float], Mapping[str, tuple[str, int, str]]] | None = None,
     ) -> None:
         self._replicas = dict(replicas)
         """Role (Serve application and deployment name) -> replicas it should run."""
@@ -61,8 +60,6 @@ class HealthMonitor:
         self._period_s = period_s
         self._poll_timeout_s = poll_timeout_s
         self._max_failed_polls = max_failed_polls
-        self._read_status = read_status or deployment_status
-        """Reads every role's status, waiting at most the given seconds (else it raises)."""
 
     async def run(self) -> None:
         """Poll until cancelled; raises `ServeControllerLost` after too many failed polls."""
@@ -70,7 +67,7 @@ class HealthMonitor:
         while True:
             polled_at = time.time()
             try:
-                status = await asyncio.to_thread(self._read_status, self._poll_timeout_s)
+                status = await asyncio.to_thread(_deployment_status, self._poll_timeout_s)
             except Exception as err:
                 failed += 1
                 if failed >= self._max_failed_polls:
@@ -108,7 +105,7 @@ class HealthMonitor:
                 self._timeline.role_down(role, f"{running} of {wanted} replicas running: {cause}")
 
 
-def deployment_status(timeout_s: float) -> dict[str, tuple[str, int, str]]:
+def _deployment_status(timeout_s: float) -> dict[str, tuple[str, int, str]]:
     """Role -> (deployment status, running replicas, message), from Ray Serve's controller;
     `ray.exceptions.GetTimeoutError` when it does not answer within `timeout_s`.
 
