@@ -14,10 +14,18 @@ resident set (`megatron_tp2_rank_peak_gb`, a list). null, with megatron's reason
 `megatron_tp2_error` (or `_pp2_`), for a model that does not split so (SmolLM2-135M's 9 heads
 do not split in two).
 
+`--batch grpo`: a GRPO step's batch instead, 8 prompts of 64 tokens × 4 samples of 48 trained
+tokens each (32 rows, micro-batches of 8), and each backend also with `pack_sequences=false`
+(`torch_padded_step_s`, `megatron_padded_step_s`): the rows of a group hold their prompt once
+when packed (`trainer/packing.py`), 2,048 distinct tokens against 3,584 padded.
+
 Prints ONE JSON line: `torch_step_s`, `megatron_tp1_step_s`, `megatron_tp2_step_s`,
-`megatron_pp2_step_s`, `megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb`.
+`megatron_pp2_step_s`, `megatron_over_torch`, `torch_peak_gb`, `megatron_peak_gb` (with
+`--batch grpo` also `torch_padded_step_s`, `megatron_padded_step_s`, `shared_prefix_speedup`:
+torch padded over packed).
 
     .venv/bin/python bench/trainer_backends.py [--model smollm2] [--steps 3] [--rounds 2]
+        [--batch uniform|grpo]
 """
 
 from __future__ import annotations
@@ -32,11 +40,16 @@ import sys
 import time
 from typing import Any
 
+BATCH_NAMES = {"uniform": "8x128 (96 trained)", "grpo": "8 prompts x 4 samples, 64 + 48 tokens"}
 RANKED = {"megatron_tp2": {"tensor_parallel": 2}, "megatron_pp2": {"pipeline_parallel": 2}}
 """Megatron's layouts over two rank processes."""
 
 
-def one(backend: str, model: str, steps: int) -> dict[str, object]:
+BATCHES = {"uniform": (8, 1, 128, 32), "grpo": (8, 4, 112, 64)}
+"""Batch shapes: prompts, samples per prompt, tokens per row, prompt tokens (untrained)."""
+
+
+def one(backend: str, model: str, steps: int, shape: str) -> dict[str, object]:
     """Time `steps` train steps of `backend` in this process (after a warm-up step)."""
     import torch
 
@@ -45,9 +58,11 @@ def one(backend: str, model: str, steps: int) -> dict[str, object]:
     from omniloop.trainer.torch_backend import TorchTrainerBackend
 
     torch.set_num_threads(1)
-    rows, length, prompt = 8, 128, 32
+    prompts, samples, length, prompt = BATCHES[shape]
+    rows = prompts * samples
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 40_000, (rows, length), generator=gen)
+    ids[:, :prompt] = ids[::samples, :prompt].repeat_interleave(samples, 0)  # a group's prompt
     loss_mask = torch.zeros(rows, length)
     loss_mask[:, prompt:] = 1
     batch = TrainBatch(
@@ -57,7 +72,10 @@ def one(backend: str, model: str, steps: int) -> dict[str, object]:
         rollout_logprobs=torch.zeros(rows, length),
         advantages=torch.linspace(-1, 1, rows)[:, None] * loss_mask,
     )
-    settings: dict[str, object] = {"lr": 1e-5, "micro_batch_size": rows, "device": "cpu"}
+    settings: dict[str, object] = {"lr": 1e-5, "micro_batch_size": 8, "device": "cpu"}
+    if backend.endswith("_padded"):
+        backend = backend.removesuffix("_padded")
+        settings["pack_sequences"] = False
     if backend in RANKED:
         import ray
 
@@ -97,8 +115,9 @@ def rank_peaks_gb() -> list[float]:
     return sorted(peaks)
 
 
-def run_one(backend: str, model: str, steps: int) -> dict[str, Any]:
+def run_one(backend: str, model: str, steps: int, shape: str) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--one", backend, "--model", model, "--steps", str(steps)]
+    cmd += ["--batch", shape]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         # e.g. SmolLM2's 9 attention heads do not split over two tensor-parallel ranks
@@ -113,12 +132,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per backend")
+    parser.add_argument("--batch", choices=sorted(BATCHES), default="uniform")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.model, args.steps)))
+        print(json.dumps(one(args.one, args.model, args.steps, args.batch)))
         return
-    backends = ["torch", "megatron", *RANKED]
+    padded = ["torch_padded", "megatron_padded"] if args.batch == "grpo" else []
+    backends = ["torch", *padded[:1], "megatron", *padded[1:], *RANKED]
     results: dict[str, list[dict[str, Any]]] = {backend: [] for backend in backends}
     errors: dict[str, str] = {}
     for _ in range(args.rounds):
@@ -126,7 +147,7 @@ def main() -> None:
             if backend in errors:
                 continue
             try:
-                results[backend].append(run_one(backend, args.model, args.steps))
+                results[backend].append(run_one(backend, args.model, args.steps, args.batch))
             except RuntimeError as error:
                 if backend not in RANKED:
                     raise
@@ -150,10 +171,16 @@ def main() -> None:
                     for backend in RANKED
                     if results[backend]
                 },
+                **{f"{backend}_step_s": round(step[backend], 3) for backend in padded},
+                **(
+                    {"shared_prefix_speedup": round(step["torch_padded"] / step["torch"], 3)}
+                    if padded
+                    else {}
+                ),
                 "megatron_over_torch": round(step["megatron"] / step["torch"], 3),
                 "torch_peak_gb": round(peak["torch"], 2),
                 "megatron_peak_gb": round(peak["megatron"], 2),
-                "batch": "8x128 (96 trained)",
+                "batch": BATCH_NAMES[args.batch],
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "cpus": os.cpu_count(),
             }

@@ -127,11 +127,6 @@ class MegatronConfig(StrictModel):
     weights, gradients and optimizer state, not the time of a step
     (`trainer/megatron/pipeline.py`). Checkpoints hold the whole model, so a run resumes at any
     number of stages."""
-    pack_sequences: bool = True
-    """Pack each micro-batch's rows into as few rows of its width as fit (first-fit
-    decreasing), each token attending only within its own row (`trainer/megatron/packing.py`):
-    a short row's padding is filled by other rows instead of computed. Logprobs are a row's
-    own either way."""
 
 
 class TrainerConfig(StrictModel):
@@ -172,6 +167,18 @@ class TrainerConfig(StrictModel):
     micro_batch_size: int = Field(default=4, gt=0)
     """Sequences per forward/backward pass; gradients accumulate over the micro-batches of one
     `train_step`, which makes one optimizer step."""
+    pack_sequences: bool = True
+    """Run each micro-batch's rows packed into as few rows as fit (first-fit decreasing), each
+    token attending only to the earlier tokens of its own row (`trainer/packing.py`): a short
+    row's padding is filled by other rows' tokens instead of computed, and rows that open with
+    the same `shared_prefix_min_tokens` or more tokens (a GRPO group's samples of one prompt)
+    hold that opening once, so its forward and backward run once. A step orders its rows by
+    their tokens first, so that rows sharing an opening fall into one micro-batch. The logprobs
+    and steps of the padded batch, up to float rounding. Both backends; the torch backend packs
+    text rows of Hugging Face models with `sdpa` or `eager` attention (others run padded)."""
+    shared_prefix_min_tokens: int = Field(default=16, ge=0)
+    """Rows share an opening (`pack_sequences`) when it is at least this many tokens; 0:
+    packing without sharing."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """`fp32`, or `bf16` autocast (on CPU and GPU) over fp32 master weights and optimizer state."""
     device: str | None = None

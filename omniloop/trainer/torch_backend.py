@@ -62,6 +62,7 @@ from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.data_parallel import Alone, RankGroup
 from omniloop.trainer.losses import entropy_from_logits, rl_loss, token_logprobs
+from omniloop.trainer.packing import Packing, pack_rows, token_order
 
 CHECKPOINT_FORMAT = 1
 MODEL_FILE = "model.safetensors"
@@ -257,12 +258,38 @@ class Scorer:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _forward(self, module: nn.Module, batch: TrainBatch) -> Any:
-        """`module` run on `batch`'s ids, attention mask and media inputs, under autocast. A
-        ValueError of the model (e.g. features that do not fit the placeholders) is raised again
-        naming the rows of `batch`."""
+    def packing(self, model: nn.Module, batch: TrainBatch) -> Packing | None:
+        """`batch`'s rows packed for a Hugging Face `model` (`trainer.pack_sequences`), or None
+        where they run padded: packing off, rows with media (the model computes their positions
+        itself), attention other than `sdpa` or `eager` (which take the packed rows' mask as
+        given), a sliding window narrower than the packed rows (a given mask replaces the
+        window's), or a model that packs its own rows (megatron's)."""
+        config = getattr(model, "config", None)
+        impl = getattr(config, "_attn_implementation", None)
+        if not self.config.pack_sequences or batch.has_media or impl not in ("sdpa", "eager"):
+            return None
+        packing = pack_rows(
+            batch.input_ids, batch.attention_mask, min_shared=self.config.shared_prefix_min_tokens
+        )
+        window = getattr(config, "sliding_window", None)
+        if not isinstance(window, int) or not getattr(config, "use_sliding_window", True):
+            return packing
+        return packing if packing.input_ids.shape[1] <= window else None
+
+    def _forward(self, module: nn.Module, batch: TrainBatch, packing: Packing | None = None) -> Any:
+        """`module` run on `batch`'s ids, attention mask and media inputs (or on the rows of
+        `packing`: their ids, positions and mask), under autocast. A ValueError of the model
+        (e.g. features that do not fit the placeholders) is raised again naming the rows of
+        `batch`."""
         try:
             with self._autocast():
+                if packing is not None:
+                    return module(
+                        input_ids=packing.input_ids,
+                        position_ids=packing.positions,
+                        attention_mask=_attention_mask(module, packing),
+                        use_cache=False,
+                    )
                 return module(
                     input_ids=batch.input_ids,
                     attention_mask=batch.attention_mask,
@@ -276,8 +303,9 @@ class Scorer:
 
     def logits(self, model: nn.Module, batch: TrainBatch) -> Tensor:
         """`(B, T, V)` logits of `model` for `batch` (on the batch's device), media included."""
-        logits: Tensor = self._forward(model, batch).logits
-        return logits
+        packing = self.packing(model, batch)
+        logits: Tensor = self._forward(model, batch, packing).logits
+        return logits if packing is None else packing.unpack(logits)
 
     def token_logits(
         self, model: nn.Module, batch: TrainBatch, rows: Tensor, positions: Tensor
@@ -303,9 +331,11 @@ class Scorer:
         softcap = getattr(getattr(hf, "config", None), "final_logit_softcapping", None)
         if decoder is None or not isinstance(head, nn.Linear) or softcap:
             return self.logits(model, batch)[rows, positions - 1]
-        hidden: Tensor = self._forward(decoder, batch).last_hidden_state
+        packing = self.packing(model, batch)
+        hidden: Tensor = self._forward(decoder, batch, packing).last_hidden_state
+        at = (rows, positions - 1) if packing is None else packing.at(rows, positions - 1)
         with self._autocast():
-            logits: Tensor = head(hidden[rows, positions - 1])
+            logits: Tensor = head(hidden[at])
         return logits
 
     @torch.no_grad()
@@ -332,6 +362,16 @@ class Scorer:
             return out
         finally:
             model.train(was_training)
+
+
+def _attention_mask(module: nn.Module, packing: Packing) -> Tensor:
+    """The packed rows' mask `(P, 1, W, W)` as the module's attention takes a given one: `sdpa`
+    a boolean (True: attend), `eager` an additive float."""
+    visible = packing.visible[:, None]
+    if getattr(getattr(module, "config", None), "_attn_implementation", None) == "sdpa":
+        return visible
+    blocked = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+    return blocked.masked_fill(~visible, torch.finfo(torch.float32).min)
 
 
 def default_device() -> torch.device:
@@ -466,7 +506,8 @@ def load_policy(path: Path, config: TrainerConfig) -> PolicyModel:
             gradient_checkpointing=config.gradient_checkpointing,
             tensor_parallel=config.megatron.tensor_parallel,
             pipeline_parallel=config.megatron.pipeline_parallel,
-            pack_sequences=config.megatron.pack_sequences,
+            pack_sequences=config.pack_sequences,
+            shared_prefix_min_tokens=config.shared_prefix_min_tokens,
         )
     return HFPolicy(path, gradient_checkpointing=config.gradient_checkpointing)
 
@@ -564,6 +605,10 @@ class TorchTrainerBackend:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, Tensor] = {}
+        if cfg.pack_sequences and cfg.shared_prefix_min_tokens:
+            # Rows that open alike side by side, so that they share the opening in a micro-batch
+            # (`trainer/packing.py`); the step's gradient does not depend on the rows' order.
+            batch = batch.select(token_order(batch.input_ids, batch.attention_mask))
         for mb in batch.split(cfg.micro_batch_size):
             mb = mb.to(self.device)
             if (mb.loss_mask != 0).sum() == 0:

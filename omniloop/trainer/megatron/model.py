@@ -26,6 +26,7 @@ rank's part).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import threading
@@ -50,8 +51,8 @@ from omniloop.trainer.megatron.convert import (
     transformer_config,
     unshard,
 )
-from omniloop.trainer.megatron.packing import pack_rows
 from omniloop.trainer.megatron.pipeline import Stages
+from omniloop.trainer.packing import pack_rows
 
 _group_lock = threading.Lock()
 
@@ -104,15 +105,23 @@ class MegatronCausalLM(nn.Module):
     """`GPTModel` called as a Hugging Face causal LM is (module docstring)."""
 
     def __init__(
-        self, gpt: nn.Module, shape: GPTShape, stages: Stages, *, pack: bool = False
+        self,
+        gpt: nn.Module,
+        shape: GPTShape,
+        stages: Stages,
+        *,
+        pack: bool = False,
+        min_shared: int = 0,
     ) -> None:
-        """`pack`: run the rows of a batch packed (`packing.py`), given its attention mask;
+        """`pack`: run the rows of a batch packed (`trainer/packing.py`), given its attention
+        mask, rows opening with the same `min_shared` or more tokens sharing them (0: none);
         `stages`: the pipeline stage `gpt` is (`pipeline.py`)."""
         super().__init__()
         self.gpt: Any = gpt  # megatron-core is untyped
         self.shape = shape
         self.stages = stages
         self.pack = pack
+        self.min_shared = min_shared
 
     def forward(
         self,
@@ -127,9 +136,11 @@ class MegatronCausalLM(nn.Module):
                 f"({', '.join(sorted(media))}): use trainer.backend=torch"
             )
         if self.pack and attention_mask is not None:
-            packing = pack_rows(input_ids, attention_mask)
+            packing = pack_rows(input_ids, attention_mask, min_shared=self.min_shared)
             inputs = (packing.input_ids, packing.positions, packing.mask)
-            return CausalLMOutput(logits=packing.unpack(self.stages.run(self.gpt, inputs, _same)))
+            with _rotary_at(self.gpt, packing.positions):
+                logits = self.stages.run(self.gpt, inputs, _same)
+            return CausalLMOutput(logits=packing.unpack(logits))
         logits = self.stages.run(self.gpt, _positions_and_mask(input_ids), _same)
         return CausalLMOutput(logits=logits)
 
@@ -139,8 +150,9 @@ class MegatronCausalLM(nn.Module):
         """`(N, V)` logits at `(rows, positions)`, only those through the output layer (the
         trainer's `SelectiveHead`): in RL most tokens are not trained, and over a large
         vocabulary the output layer is most of a step's compute and memory."""
+        packing = None
         if self.pack:
-            packing = pack_rows(input_ids, attention_mask)
+            packing = pack_rows(input_ids, attention_mask, min_shared=self.min_shared)
             inputs = (packing.input_ids, packing.positions, packing.mask)
             rows, positions = packing.at(rows, positions)
         else:
@@ -157,13 +169,38 @@ class MegatronCausalLM(nn.Module):
         last_stage = self.gpt.post_process
         self.gpt.post_process = False
         try:
-            return self.stages.run(self.gpt, inputs, head)
+            if packing is None:
+                return self.stages.run(self.gpt, inputs, head)
+            with _rotary_at(self.gpt, packing.positions):
+                return self.stages.run(self.gpt, inputs, head)
         finally:
             self.gpt.post_process = last_stage
 
 
 def _same(tensor: Tensor) -> Tensor:
     return tensor
+
+
+@contextlib.contextmanager
+def _rotary_at(gpt: Any, positions: Tensor) -> Iterator[None]:
+    """Rotary embeddings at each token's own position (`(B, T)` `positions`) in the forwards
+    of `gpt` within: megatron's `RotaryEmbedding` gives the angles of columns 0..T-1, which is
+    right for rows that start at column 0, and for packed rows without sharing up to rounding
+    (attention sees relative positions); a row that reads a shared opening from columns far
+    before its own needs its true positions. The angles of each column's position, `(T, B, 1,
+    dim)`, broadcast over the heads as the column angles `(T, 1, 1, dim)` do."""
+    rotary = gpt.rotary_pos_emb
+    columns = rotary.forward
+
+    def at_positions(*_: Any, **__: Any) -> Tensor:
+        table: Tensor = columns(int(positions.max()) + 1)  # (L, 1, 1, dim)
+        return table[:, 0][positions.transpose(0, 1)]
+
+    rotary.forward = at_positions
+    try:
+        yield
+    finally:
+        del rotary.forward  # the class's again
 
 
 def _positions_and_mask(input_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -195,10 +232,11 @@ class MegatronPolicy:
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         pack_sequences: bool = False,
+        shared_prefix_min_tokens: int = 0,
     ) -> MegatronPolicy:
         """Build this rank's `GPTModel` (its pipeline stage, its tensor-parallel part) of the
         Hugging Face folder `path` and load its weights. `pack_sequences`: run batches packed
-        (`packing.py`).
+        (`trainer/packing.py`), rows sharing openings of `shared_prefix_min_tokens` or more.
 
         `gradient_checkpointing`: megatron's full recompute, one layer at a time (it saves and
         restores CUDA RNG states, so it needs a GPU)."""
@@ -263,7 +301,9 @@ class MegatronPolicy:
         missing = [k for k in missing if not k.endswith("._extra_state")]
         if missing or unexpected:
             raise ValueError(f"{path}: weights do not fit the GPTModel: {missing=} {unexpected=}")
-        module = MegatronCausalLM(gpt, shape, stages, pack=pack_sequences)
+        module = MegatronCausalLM(
+            gpt, shape, stages, pack=pack_sequences, min_shared=shared_prefix_min_tokens
+        )
         return cls(module.eval(), hf_config, tensor_parallel)
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:

@@ -27,7 +27,7 @@ from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.megatron.convert import gpt_shape, to_hf, to_megatron
 from omniloop.trainer.megatron.model import MegatronPolicy
-from omniloop.trainer.megatron.packing import pack_rows
+from omniloop.trainer.packing import pack_rows
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 
 EXACT = 1e-5
@@ -116,7 +116,7 @@ def test_packed_rows_score_and_train_as_padded_rows(make_batch) -> None:
     first = batch.split(4)[0]
     assert pack_rows(first.input_ids, first.attention_mask).input_ids.shape[0] == 2
     packed = trainer("tiny", "megatron", micro_batch_size=4)
-    padded = trainer("tiny", "megatron", micro_batch_size=4, megatron={"pack_sequences": False})
+    padded = trainer("tiny", "megatron", micro_batch_size=4, pack_sequences=False)
     assert_same_steps(packed, padded, batch, 1e-5)
 
 
@@ -161,8 +161,15 @@ def test_what_megatron_cannot_do_here_is_refused_by_name(make_batch) -> None:
 
 @pytest.fixture
 def one_rank(tmp_path: Path, make_batch, rank_script) -> tuple[Path, dict]:
-    """What one rank sees of a batch (saved in the folder returned), and its checkpoint."""
-    batch = make_batch([13, 9, 17], advantages=[1.0, -0.7, 0.4], seed=31)
+    """What one rank sees of a batch (saved in the folder returned), and its checkpoint. Two
+    of the rows open with the same 18 tokens, which the packed micro-batch holds once (the
+    third row is ordered last, so that the two share a micro-batch of 2)."""
+    batch = make_batch([21, 9, 25], prompt=18, advantages=[1.0, -0.7, 0.4], seed=31)
+    ids = batch.input_ids.clone()
+    ids[2, :18] = ids[0, :18]
+    ids[1, 0] = 1999
+    assert ids[0, 0] < 1999
+    batch = batch.replace(input_ids=ids)
     torch.save(batch, tmp_path / "batch.pt")
     _, ranks = rank_script("model_parallel_ranks")
     return tmp_path, ranks.run(1, 1, batch, tmp_path)

@@ -86,6 +86,68 @@ def test_padding_does_not_change_a_sequences_logprobs(backend: BackendFactory, m
         assert bool((together[row, n:] == 0).all())
 
 
+def embedded_tokens(b: TorchTrainerBackend) -> list[int]:
+    """Per forward of `b`'s policy from now on, the token ids it embeds that are not 0 (the
+    padding id of `make_batch`'s rows and of packed rows' room)."""
+    seen: list[int] = []
+    for name, module in b.model.named_modules():
+        if name.endswith(("embed_tokens", "word_embeddings")):
+            module.register_forward_pre_hook(lambda _, args: seen.append(int((args[0] != 0).sum())))
+    return seen
+
+
+def test_rows_sharing_an_opening_hold_it_once_and_train_as_padded_rows(
+    backend: BackendFactory, make_batch
+) -> None:
+    """A GRPO group (four rows opening with the same 20 tokens, two of them equal) beside two
+    rows of their own, in one micro-batch: packed with the opening held once
+    (`trainer.pack_sequences`, the default), the logprobs and the gradient of the padded
+    batch, from fewer embedded tokens."""
+    lengths = [26, 31, 24, 26, 9, 17]
+    batch = make_batch(lengths, prompt=20, advantages=[1.0, -0.5, 0.7, 0.2, -1.0, 0.4], seed=13)
+    ids = batch.input_ids.clone()
+    ids[1:3, :20] = ids[0, :20]
+    ids[3] = ids[0]
+    batch = batch.replace(input_ids=ids)
+    results = []
+    for pack in (True, False):
+        b = backend(micro_batch_size=6, grad_clip=None, lr=1e-3, pack_sequences=pack)
+        seen = embedded_tokens(b)
+        logprobs = b.logprobs(batch)
+        metrics = b.train_step(batch)
+        results.append((logprobs, metrics, grads(b), seen))
+    (packed_lp, packed_metrics, packed_grads, packed_seen) = results[0]
+    (padded_lp, padded_metrics, padded_grads, padded_seen) = results[1]
+    assert padded_seen == [sum(lengths)] * 2
+    assert packed_seen == [sum(lengths) - 20 - 20 - 26] * 2  # rows 1, 2, 3 read row 0's opening
+    torch.testing.assert_close(packed_lp, padded_lp, atol=1e-5, rtol=0)
+    assert packed_metrics["actor/loss"] == pytest.approx(padded_metrics["actor/loss"], abs=1e-6)
+    assert_same_tensors(packed_grads, padded_grads, atol=3e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_eager_attention_packs_too_and_a_narrow_sliding_window_does_not(
+    backend: BackendFactory, make_batch
+) -> None:
+    """A Hugging Face model with `eager` attention takes the packed rows' mask as an additive
+    float (sdpa a boolean): the same logprobs from fewer tokens. A model whose sliding window
+    is narrower than the packed rows runs padded (a given mask would replace the window)."""
+    batch = make_batch([26, 26, 9], prompt=20, seed=17)
+    ids = batch.input_ids.clone()
+    ids[1, :20] = ids[0, :20]
+    batch = batch.replace(input_ids=ids)
+    b = backend(micro_batch_size=3)
+    seen = embedded_tokens(b)
+    sdpa = b.logprobs(batch)
+    b.model.config._attn_implementation = "eager"
+    eager = b.logprobs(batch)
+    b.model.config.sliding_window = 30
+    windowed = b.logprobs(batch)
+    assert seen == [61 - 20, 61 - 20, 61]
+    torch.testing.assert_close(eager, sdpa, atol=1e-5, rtol=0)
+    torch.testing.assert_close(windowed, sdpa, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batching_gives_the_full_batch_gradient(
     backend: BackendFactory, make_batch, aggregation: str
