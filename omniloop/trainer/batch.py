@@ -26,6 +26,7 @@ from torch import Tensor
 from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.config import AdvantageConfig
 from omniloop.trainer.data_parallel import shard_rows
+from omniloop.trainer.packing import Units
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory
 
 Values = float | Sequence[float] | Tensor
@@ -310,13 +311,20 @@ class TrainBatch:
                 values[field.name] = value[index][:, :width]
         return self.replace(**values, ids=ids, media_inputs=media)
 
-    def shard(self, rank: int, ranks: int) -> TrainBatch:
-        """The rows data-parallel rank `rank` of `ranks` trains (`data_parallel.shard_rows`:
-        each row in exactly one shard, shards balanced by tokens), trimmed."""
+    def shard(self, rank: int, ranks: int, min_shared: int = 0) -> TrainBatch:
+        """The rows data-parallel rank `rank` of `ranks` trains (`shards`), trimmed."""
         if not 0 <= rank < ranks:
             raise ValueError(f"rank {rank} is not one of {ranks} data-parallel ranks")
-        tokens = [int(n) for n in self.attention_mask.sum(-1).tolist()]
-        return self.select(shard_rows(tokens, ranks)[rank])
+        return self.select(self.shards(ranks, min_shared)[rank])
+
+    def shards(self, ranks: int, min_shared: int = 0) -> list[list[int]]:
+        """The rows of each of `ranks` data-parallel ranks: each row in exactly one shard,
+        shards balanced by tokens (`data_parallel.shard_rows`), rows that open with the same
+        `min_shared` or more tokens in one shard (whose packed step holds the opening once:
+        `packing.Units`; 0: rows one by one), balanced by their distinct tokens."""
+        units = Units.of(self.input_ids, self.attention_mask, min_shared)
+        by_unit = shard_rows(units.size, ranks)
+        return [sorted(row for unit in shard for row in units.rows[unit]) for shard in by_unit]
 
     def split(self, micro_batch_size: int) -> list[TrainBatch]:
         """Consecutive micro-batches of at most `micro_batch_size` rows, each trimmed."""

@@ -155,7 +155,8 @@ class TrainerConfig(StrictModel):
     `pipeline_parallel` above 1) the trainer runs as `data_parallel` × `tensor_parallel` ×
     `pipeline_parallel` rank processes (one Ray actor each) that the actor role drives in lock
     step (`trainer/ranks.py`). Each data-parallel rank trains its
-    shard of every step's rows (each row by exactly one rank, shards balanced by tokens) and
+    shard of every step's rows (each row by exactly one rank, shards balanced by tokens, rows
+    sharing an opening in one shard: `pack_sequences`) and
     the ranks' gradients are summed before every optimizer step, so N ranks take the step one
     rank takes on all rows. One rank in all: the trainer runs in the actor's own process."""
     distributed_optimizer: bool = False

@@ -91,36 +91,62 @@ class Packing:
         return out * real.reshape(batch, width, *([1] * (out.dim() - 2))).to(out.dtype)
 
 
+@dataclass(frozen=True)
+class Units:
+    """A batch's rows chained by sharing (module docstring), before they are packed."""
+
+    rows: list[list[int]]
+    """Each unit's rows, in token order (each reads its opening from the one before)."""
+    size: list[int]
+    """Each unit's distinct tokens."""
+    lengths: list[int]
+    """Each row's tokens."""
+    leader: list[int]
+    """Per row, the row it reads its opening from (itself: none)."""
+    shared: list[int]
+    """Per row, the tokens of that opening (0: none)."""
+
+    @classmethod
+    def of(cls, input_ids: Tensor, attention_mask: Tensor, min_shared: int) -> Units:
+        """The units of the right-padded rows of `input_ids` (`(B, T)`), rows sharing openings
+        of `min_shared` or more tokens (0: every row a unit of its own)."""
+        batch, width = input_ids.shape
+        lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
+        tokens = [input_ids[row, :n].tolist() for row, n in enumerate(lengths)]
+        order = _in_token_order(tokens)
+        leader, shared = list(range(batch)), [0] * batch
+        rows: list[list[int]] = []
+        size: list[int] = []
+        for before, row in zip([None, *order], order, strict=False):
+            common = _common_length(tokens[before], tokens[row]) if before is not None else 0
+            grown = size[-1] + lengths[row] - common if size else 0
+            if 0 < min_shared <= common and grown <= UNIT_WIDTHS * width:
+                assert before is not None
+                leader[row], shared[row] = before, common
+                rows[-1].append(row)
+                size[-1] = grown
+            else:
+                rows.append([row])
+                size.append(lengths[row])
+        return cls(rows, size, lengths, leader, shared)
+
+
 def pack_rows(input_ids: Tensor, attention_mask: Tensor, *, min_shared: int = 0) -> Packing:
     """Pack the right-padded rows of `input_ids` (`(B, T)`; real tokens where `attention_mask`
     is 1) into as few rows as first-fit decreasing finds; rows opening with the same
     `min_shared` or more tokens share them (0: no sharing)."""
     batch, width = input_ids.shape
     device = input_ids.device
-    lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
-    tokens = [input_ids[row, :n].tolist() for row, n in enumerate(lengths)]
-    order = _in_token_order(tokens)
-    leader, shared = list(range(batch)), [0] * batch
-    units: list[list[int]] = []  # runs of rows in token order, each sharing with the one before
-    size: list[int] = []
-    for before, row in zip([None, *order], order, strict=False):
-        common = _common_length(tokens[before], tokens[row]) if before is not None else 0
-        if 0 < min_shared <= common and size[-1] + lengths[row] - common <= UNIT_WIDTHS * width:
-            assert before is not None
-            leader[row], shared[row] = before, common
-            units[-1].append(row)
-            size[-1] += lengths[row] - common
-        else:
-            units.append([row])
-            size.append(lengths[row])
+    units = Units.of(input_ids, attention_mask, min_shared)
+    lengths, leader, shared, size = units.lengths, units.leader, units.shared, units.size
     packed_width = max([width, *size])
     used: list[int] = []
     pack, start = [0] * batch, [0] * batch
-    for unit in sorted(range(len(units)), key=lambda u: (-size[u], u)):
+    for unit in sorted(range(len(size)), key=lambda u: (-size[u], u)):
         target = next((p for p, u in enumerate(used) if u + size[unit] <= packed_width), len(used))
         if target == len(used):
             used.append(0)
-        for row in units[unit]:  # a leader's own tokens before its followers'
+        for row in units.rows[unit]:  # a leader's own tokens before its followers'
             pack[row], start[row] = target, used[target]
             used[target] += lengths[row] - shared[row]
 

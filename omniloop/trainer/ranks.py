@@ -3,12 +3,12 @@ actor per rank, driven in lock step. The caller (the actor role) sees one backen
 
 World: `trainer.data_parallel` × megatron's `tensor_parallel` × `pipeline_parallel` ranks in one
 `torch.distributed` group (gloo on the CPU, NCCL on GPUs; rank 0's node address is the
-rendezvous). Each data-parallel rank trains its shard of every batch (`TrainBatch.shard`: each
-row by exactly one rank, balanced by tokens) and the ranks' gradients are summed before every
-optimizer step (`data_parallel.py`), so the weights stay equal on every rank and N ranks take the
-step one rank would take on all rows. The tensor-parallel ranks and pipeline stages of one
-data-parallel rank share its shard; they split each layer, and the layers (megatron-core,
-`megatron/pipeline.py`).
+rendezvous). Each data-parallel rank trains its shard of every batch (`TrainBatch.shards`: each
+row by exactly one rank, balanced by tokens, rows that share an opening together) and the
+ranks' gradients are summed before every optimizer step (`data_parallel.py`), so the weights
+stay equal on every rank and N ranks take the step one rank would take on all rows. The
+tensor-parallel ranks and pipeline stages of one data-parallel rank share its shard; they split
+each layer, and the layers (megatron-core, `megatron/pipeline.py`).
 
 The actor role reads each step's rows from the data plane once and hands each data-parallel
 rank its shard through Ray's object store; the ranks do not read the data plane themselves (it
@@ -40,7 +40,6 @@ from torch import Tensor
 from omniloop.errors import OmniloopError
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
-from omniloop.trainer.data_parallel import shard_rows
 
 # How long a rank waits in a collective for the others (a dead rank is noticed by Ray first).
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
@@ -250,8 +249,9 @@ class RankedTrainer:
     # -- helpers -------------------------------------------------------------------------------
 
     def _rows(self, batch: TrainBatch) -> list[list[int]]:
-        tokens = [int(n) for n in batch.attention_mask.sum(-1).tolist()]
-        return shard_rows(tokens, self.data_parallel)
+        config = self.config
+        shared = config.shared_prefix_min_tokens if config.pack_sequences else 0
+        return batch.shards(self.data_parallel, shared)
 
     def _placed(self) -> list[tuple[Any, int]]:
         """Each rank's worker with its data-parallel rank."""

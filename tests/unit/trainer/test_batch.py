@@ -99,6 +99,33 @@ def test_split_trims_each_micro_batch_to_its_longest_row() -> None:
     assert parts[1].ids == (batch.ids[2],)
 
 
+def test_shards_keep_rows_sharing_an_opening_together() -> None:
+    """Three groups of four samples of one 20-token prompt, in mixed order: with sharing each
+    group goes to one rank whole (its rank's packed step holds the prompt once), the ranks
+    balanced by distinct tokens; without, rows are balanced one by one."""
+    trajs = [
+        make_traj(
+            f"{group}-{sample}",
+            prompt=[100 * group + i for i in range(1, 21)],
+            turns=[([7 + sample] * (1 + sample), [-1.0] * (1 + sample), 0, [])],
+            group=str(group),
+        )
+        for sample in range(4)
+        for group in range(3)
+    ]
+    batch = TrainBatch.from_trajectories(trajs, [1.0] * 12)
+    group_of = [int(first) // 100 for first in batch.input_ids[:, 0]]
+    shards = batch.shards(2, min_shared=16)
+    assert sorted(row for shard in shards for row in shard) == list(range(12))
+    # Whole groups (30 distinct tokens each): one rank holds one, the other two.
+    assert sorted(len(shard) for shard in shards) == [4, 8]
+    assert all(len({group_of[row] for row in shard}) * 4 == len(shard) for shard in shards)
+    alone = batch.shards(2)
+    assert sorted(map(len, alone)) == [6, 6]
+    assert all(len({group_of[row] for row in shard}) == 3 for shard in alone)
+    assert batch.shard(1, 2, min_shared=16).ids == tuple(batch.ids[r] for r in shards[1])
+
+
 def single(episode: str, reward: float | None, group: str = "g0", stop: str = "stop") -> Trajectory:
     """A one-token answer to a one-token prompt."""
     return make_traj(
