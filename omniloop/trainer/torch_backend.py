@@ -18,7 +18,10 @@ rule (`entropy[b, i]` is the entropy of the distribution that token `i` was draw
 
 Batches are right-padded. With causal attention, a real token never attends to a later padding
 token, so a sequence's logprobs do not depend on what it is batched with (up to kernel
-rounding); position ids start at 0 for every row.
+rounding); position ids start at 0 for every row. The forward runs the rows packed where it can
+(`trainer.pack_sequences`, `Scorer.packing`): fewer rows with no padding, each opening that
+rows share held once, each token at its own position and seeing only its own row's earlier
+tokens (`trainer/packing.py`), so the logprobs are the padded rows' up to rounding.
 
 Media (`TrainBatch.media_inputs`): a multimodal model gets the batch's media forward inputs
 (`TrainBatch.media_kwargs`, each key concatenated over rows in row order) beside `input_ids` and
