@@ -111,8 +111,8 @@ class Units:
         """The units of the right-padded rows of `input_ids` (`(B, T)`), rows sharing openings
         of `min_shared` or more tokens (0: every row a unit of its own)."""
         batch, width = input_ids.shape
-        lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
-        tokens = [input_ids[row, :n].tolist() for row, n in enumerate(lengths)]
+        tokens = _row_tokens(input_ids, attention_mask)
+        lengths = [len(row) for row in tokens]
         order = _in_token_order(tokens)
         leader, shared = list(range(batch)), [0] * batch
         rows: list[list[int]] = []
@@ -180,8 +180,13 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, *, min_shared: int = 0)
 def token_order(input_ids: Tensor, attention_mask: Tensor) -> list[int]:
     """The rows of a right-padded batch in the order of their tokens (rows that open alike side
     by side; ties by row)."""
+    return _in_token_order(_row_tokens(input_ids, attention_mask))
+
+
+def _row_tokens(input_ids: Tensor, attention_mask: Tensor) -> list[list[int]]:
+    """Each right-padded row's real tokens."""
     lengths = attention_mask.sum(-1).tolist()
-    return _in_token_order([input_ids[row, : int(n)].tolist() for row, n in enumerate(lengths)])
+    return [input_ids[row, : int(n)].tolist() for row, n in enumerate(lengths)]
 
 
 def _in_token_order(tokens: list[list[int]]) -> list[int]:
