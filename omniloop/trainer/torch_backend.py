@@ -64,8 +64,12 @@ from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.data_parallel import Alone, RankGroup
+from omniloop.trainer.host_memory import keep_freed_memory
 from omniloop.trainer.losses import entropy_from_logits, rl_loss, token_logprobs
 from omniloop.trainer.packing import Packing, pack_rows, token_order
+
+FUSED_ADAMW_DEVICES = ("cpu", "cuda")
+"""Devices torch's fused AdamW runs on."""
 
 CHECKPOINT_FORMAT = 1
 MODEL_FILE = "model.safetensors"
@@ -535,6 +539,8 @@ class TorchTrainerBackend:
         self.ranks: RankGroup = ranks or Alone()
         self.model_path = resolve_model(str(model))
         self.device = torch.device(self.config.device) if self.config.device else default_device()
+        if self.config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.policy = load_policy(self.model_path, self.config)
         # nn.Module.to directly: transformers' wrapper around `to` confuses type checkers.
         self.model: nn.Module = nn.Module.to(self.policy.module, self.device)
@@ -552,6 +558,9 @@ class TorchTrainerBackend:
             betas=self.config.betas,
             eps=self.config.adam_eps,
             weight_decay=self.config.weight_decay,
+            # One kernel over all parameters instead of a loop of ops per tensor: on SmolLM2 on
+            # one CPU thread, clipping and update take ~0.15 s instead of ~0.35 s.
+            fused=self.device.type in FUSED_ADAMW_DEVICES,
         )
         warmup = self.config.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
