@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import CriticConfig, TrainerConfig
-from omniloop.trainer.torch_backend import default_device
+from omniloop.trainer.torch_backend import FUSED_ADAMW_DEVICES, Scorer, default_device
 
 
 class ValueModel(Protocol):
@@ -65,7 +65,8 @@ def value_loss(
 
 class TorchCritic:
     """The value model on the trainer's device, in fp32 (`trainer.dtype` applies to the policy),
-    with its own AdamW."""
+    with its own AdamW. Its micro-batches run packed as the policy's do (`trainer.pack_sequences`:
+    a group's rows hold their prompt once)."""
 
     HEAD = "value_head.pt"
     STATE = "critic_state.json"
@@ -76,6 +77,7 @@ class TorchCritic:
         self.config = config
         self.micro_batch_size = trainer.micro_batch_size
         self.device = torch.device(trainer.device) if trainer.device else default_device()
+        self.scorer = Scorer(trainer.model_copy(update={"dtype": "fp32"}), self.device)
         folder = resolve_model(str(config.model or model))
         self.backbone: nn.Module = AutoModel.from_pretrained(folder, dtype=torch.float32)
         hidden = int(self.backbone.config.hidden_size)
@@ -88,15 +90,16 @@ class TorchCritic:
             [*self.backbone.parameters(), *self.head.parameters()],
             lr=config.lr,
             weight_decay=0.0,
+            fused=self.device.type in FUSED_ADAMW_DEVICES,
         )
         self.steps = 0
 
     def _values(self, batch: TrainBatch) -> Tensor:
         if batch.media_inputs:
             raise ValueError(f"{batch.ids or 'a row'}: the critic is text-only; rows carry media")
-        ids = batch.input_ids.to(self.device)
-        attention = batch.attention_mask.to(self.device)
-        hidden = self.backbone(input_ids=ids, attention_mask=attention).last_hidden_state
+        batch = batch.to(self.device)
+        hidden = self.scorer.hidden_states(self.backbone, batch)
+        attention = batch.attention_mask
         state = self.head(hidden).squeeze(-1)
         values = torch.zeros_like(state)
         values[:, 1:] = state[:, :-1]

@@ -308,6 +308,13 @@ class Scorer:
                 f"{_rows_name(batch, list(range(len(batch))))}: the model refused the batch: {exc}"
             ) from exc
 
+    def hidden_states(self, decoder: nn.Module, batch: TrainBatch) -> Tensor:
+        """`(B, T, H)` last hidden states of a Hugging Face base model (`decoder`, no output
+        layer) for `batch`, run packed where `packing` allows (zeros past each row's tokens)."""
+        packing = self.packing(decoder, batch)
+        hidden: Tensor = self._forward(decoder, batch, packing).last_hidden_state
+        return hidden if packing is None else packing.unpack(hidden)
+
     def logits(self, model: nn.Module, batch: TrainBatch) -> Tensor:
         """`(B, T, V)` logits of `model` for `batch` (on the batch's device), media included."""
         packing = self.packing(model, batch)

@@ -63,3 +63,33 @@ def test_gae_and_the_critic_come_together() -> None:
     with pytest.raises(ValidationError, match=r"trainer\.critic is set but"):
         TrainerConfig(critic=CriticConfig())
     TrainerConfig(advantage=AdvantageConfig(estimator="gae"), critic=CriticConfig())
+
+
+def test_the_critic_runs_packed_as_it_runs_padded() -> None:
+    """Two rows sharing their first four tokens beside a third: packed, the backbone embeds
+    fewer tokens, and the values and the step are the padded batch's."""
+    scoring = TrainBatch.for_scoring([[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [12, 13, 14]])
+    mask = scoring.attention_mask.float()
+    mask[:, :2] = 0
+    batch = dataclasses.replace(scoring, loss_mask=mask)
+    head = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    results = {}
+    for packed in (True, False):
+        trainer = TrainerConfig(
+            device="cpu", micro_batch_size=3, pack_sequences=packed, shared_prefix_min_tokens=2
+        )
+        critic = TorchCritic("tiny", trainer, CriticConfig(lr=1e-2))
+        with torch.no_grad():  # a head that reads the hidden states (a fresh one reads nothing)
+            critic.head.weight.copy_(head[:, : critic.head.in_features])
+        embedded: list[int] = []
+        critic.backbone.get_input_embeddings().register_forward_hook(
+            lambda _module, args, _out, seen=embedded: seen.append(args[0].numel())
+        )
+        old = critic.values(batch)
+        critic.train_step(batch, old, batch.loss_mask * 1.5)
+        results[packed] = (old, critic.values(batch), embedded[0])
+    (packed_old, packed_after, packed_tokens), (old, after, tokens) = results[True], results[False]
+    assert packed_tokens < tokens == 3 * 6  # 10 distinct tokens in packed rows, padding included
+    torch.testing.assert_close(packed_old, old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(packed_after, after, atol=1e-5, rtol=0)
+    assert (packed_after - packed_old).abs().max() > 1e-3, "the step moved the values"
