@@ -290,8 +290,9 @@ def test_the_added_engine_held_the_current_weights_and_was_in_rotation_when_answ
     assert (body["url"], body["in_rotation"]) == (extra, True)
     assert body["weight_version"] == seen["version_when_added"] >= seen["run_version_before_add"]
     listed = seen["listed_after_add"]["engines"]
-    assert {seen["own"], extra} <= {e["url"] for e in listed}  # (and the launched one, if up)
-    assert all(e["in_rotation"] for e in listed)
+    # The run's own engine and the added one serve; the engine the other watcher has the run
+    # launch may be listed too, still being given the current weights (not in rotation yet).
+    assert {seen["own"], extra} <= {e["url"] for e in listed if e["in_rotation"]}
 
 
 def test_the_api_role_answers_openai_clients_from_the_runs_engines(elastic_run: Any) -> None:
