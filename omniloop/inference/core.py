@@ -41,13 +41,14 @@ Contracts:
 - Prefix cache (`prefix_cache.PrefixIndex`, Llama runner only: others prefill every prompt
   whole and report `cached_tokens` 0): a finished sequence's keys and values are copied
   into one of `prefix_cache_slots` retained slots; a request whose prompt extends a retained
-  prefix (whole blocks of 16 tokens) copies it back and prefills only the rest, reported as
-  `cached_tokens`. Prompts admitted together share their common block-aligned prefixes the
+  prefix (found by blocks of 16 tokens, matched to the token) copies it back and prefills
+  only the rest, reported as `cached_tokens`. Prompts admitted together share their common
+  prefixes (to the token) the
   same way (a GRPO group's samples, a common system prompt), with a running sequence (copied
   from its slot before the prefill; only one admitted since the last weight update) or with
-  each other (the first of them is prefilled, then the others copy the shared part from its
-  slot and prefill the rest in a second forward, only when that saves at least
-  `MIN_SHARED_TOKENS`); the copied tokens count as `cached_tokens` too. A weight update or
+  each other (one prompt of each group that shares is prefilled, then the others copy the
+  shared part from its slot and prefill the rest in a second forward, only when that saves
+  at least `MIN_SHARED_TOKENS`); the copied tokens count as `cached_tokens` too. A weight update or
   `flush_cache` empties it. The outputs are those of a full prefill up to float rounding (the
   attention over the cached part is computed in another order).
 - Weight-update groups (`weight_groups.WeightGroups`): `init_weights_update_group` joins a
@@ -772,7 +773,6 @@ class EngineCore:
             [s.req.input_ids for s in seqs],
             [s.prefix_hit for s in seqs],
             held=held,
-            block=self._prefixes.block,
         )
         saved = sum(
             length - seqs[i].prefix_hit

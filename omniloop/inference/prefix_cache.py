@@ -11,9 +11,10 @@ sequences running (`shared_prefixes`): the samples of one GRPO group (the same p
 times), or episodes that open with the same system prompt, have that part prefilled once and
 copied to the others, which prefill only the rest.
 
-Prefixes are matched in whole blocks of `block` tokens (a chained hash per block, checked
-against the stored tokens, so a hash collision can never serve wrong keys), and at least one
-token of a prompt is always left to prefill: its logits start the generation. Slots are reused
+Retained prefixes are found by whole blocks of `block` tokens (a chained hash per block,
+checked against the stored tokens, so a hash collision can never serve wrong keys), then
+matched to the token, as prompts of one batch and running sequences share. At least one token
+of a prompt is always left to prefill: its logits start the generation. Slots are reused
 least recently used first. Keys and values belong to the weights that computed them: the
 engine clears the index whenever its weights change.
 """
@@ -36,9 +37,9 @@ class PrefixIndex:
         """Every slot it may fill (none: the prefix cache is off)."""
         self._free = list(slots)
         self._tokens: dict[int, list[int]] = {}
-        """Slot -> the block-aligned tokens whose keys and values it holds."""
-        self._by_prefix: dict[int, int] = {}
-        """Chained hash of a block-aligned prefix -> the slot that last stored it."""
+        """Slot -> the tokens whose keys and values it holds."""
+        self._by_prefix: dict[int, set[int]] = {}
+        """Chained hash of a block-aligned prefix -> the slots that hold it."""
         self._recent: OrderedDict[int, None] = OrderedDict()
         """Occupied slots, least recently used first."""
 
@@ -54,32 +55,41 @@ class PrefixIndex:
         return out
 
     def lookup(self, tokens: Sequence[int]) -> tuple[int, int] | None:
-        """`(slot, length)`: the slot holding the longest block-aligned prefix of `tokens`
-        shorter than `tokens` itself, and that prefix's length; None when none is held."""
-        found: tuple[int, int] | None = None
+        """`(slot, length)`: the slot holding the longest prefix of `tokens` shorter than
+        `tokens` itself, and that prefix's length; None when none holds a whole block of it.
+        Candidates are found by whole blocks, then matched to the token."""
+        candidates: set[int] = set()
         for i, key in enumerate(self._hashes(tokens, (len(tokens) - 1) // self.block)):
-            slot = self._by_prefix.get(key)
             length = (i + 1) * self.block
-            if slot is None or self._tokens[slot][:length] != list(tokens[:length]):
+            matching = {
+                slot
+                for slot in self._by_prefix.get(key, ())
+                if self._tokens[slot][:length] == list(tokens[:length])
+            }
+            if not matching:
                 break
-            found = (slot, length)
-        if found is not None:
-            self._recent.move_to_end(found[0])
+            candidates = matching
+        if not candidates:
+            return None
+        found = max(
+            ((slot, _common_prefix(self._tokens[slot], tokens)) for slot in candidates),
+            key=lambda hit: (hit[1], -hit[0]),
+        )
+        self._recent.move_to_end(found[0])
         return found
 
     def store(self, tokens: Sequence[int]) -> tuple[int, int] | None:
         """Record that the keys and values of `tokens` are about to be copied into a slot;
-        return `(slot, length)` to copy (the block-aligned part), or None when there is
-        nothing worth copying (shorter than a block, or already held whole)."""
+        return `(slot, length)` to copy, or None when there is nothing worth copying (shorter
+        than a block, or held whole already)."""
         blocks = len(tokens) // self.block
         if blocks == 0:
             return None
-        length = blocks * self.block
         keys = self._hashes(tokens, blocks)
-        held = self._by_prefix.get(keys[-1])
-        if held is not None and self._tokens[held] == list(tokens[:length]):
-            self._recent.move_to_end(held)
-            return None
+        for held in self._by_prefix.get(keys[-1], ()):
+            if self._tokens[held][: len(tokens)] == list(tokens):
+                self._recent.move_to_end(held)
+                return None
         if self._free:
             slot = self._free.pop()
         elif self._recent:
@@ -87,17 +97,20 @@ class PrefixIndex:
             self._forget(slot)
         else:
             return None
-        self._tokens[slot] = list(tokens[:length])
+        self._tokens[slot] = list(tokens)
         for key in keys:
-            self._by_prefix[key] = slot
+            self._by_prefix.setdefault(key, set()).add(slot)
         self._recent[slot] = None
-        return slot, length
+        return slot, len(tokens)
 
     def _forget(self, slot: int) -> None:
         tokens = self._tokens.pop(slot)
         for key in self._hashes(tokens, len(tokens) // self.block):
-            if self._by_prefix.get(key) == slot:
-                del self._by_prefix[key]
+            holders = self._by_prefix.get(key)
+            if holders is not None:
+                holders.discard(slot)
+                if not holders:
+                    del self._by_prefix[key]
 
     def clear(self) -> int:
         """Forget every prefix (the weights changed); returns how many slots held one."""
@@ -114,7 +127,6 @@ def shared_prefixes(
     cached: Sequence[int],
     *,
     held: Sequence[Sequence[int]] = (),
-    block: int = 16,
 ) -> dict[int, tuple[int, int]]:
     """Which prompts of one prefill batch can copy a prefix from a sequence already in the
     cache or from another prompt of the batch.
@@ -122,32 +134,51 @@ def shared_prefixes(
     `held` are the tokens whose keys and values running sequences hold in their slots.
     Returns follower index -> `(source, shared length)`: the source is `held[source]` when
     `source < len(held)`, else prompt `source - len(held)` of the batch; it starts with the
-    same `shared length` tokens (whole blocks of `block`), which is shorter than the
-    follower's prompt (at least one token is left to prefill) and longer than the `cached`
-    prefix the follower already has. A prompt of the batch that is a source is never a
-    follower, so prefilling the others first, then the followers of batch prompts after copying
-    their prefixes, takes at most two passes."""
+    same `shared length` tokens, which is shorter than the follower's prompt (at least one
+    token is left to prefill) and longer than the `cached` prefix the follower already has.
+
+    A prompt of the batch that is a source copies only from `held`, so prefilling the others
+    first, then the followers of batch prompts after copying their prefixes, takes at most
+    two passes. A prompt becomes a source, rather than following the source that shares most
+    with it, when the later prompts that share more with it save more by copying from it than
+    it loses by copying from `held` only: the first prompts of two GRPO groups that open with
+    one system prompt each lead their group (the second does not copy the system prompt from
+    the first and leave its group-mates only that to copy)."""
     followers: dict[int, tuple[int, int]] = {}
     sources = list(range(len(held)))
-    for i, prompt in enumerate(prompts):
+
+    def best_of(candidates: Sequence[int], i: int) -> tuple[int, int]:
         best, best_length = -1, cached[i]
-        for source in sources:
+        for source in candidates:
             tokens = held[source] if source < len(held) else prompts[source - len(held)]
-            length = _common_blocks(tokens, prompt, block)
+            length = _common_prefix(tokens, prompts[i])
             if length > best_length:
                 best, best_length = source, length
+        return best, best_length
+
+    for i, prompt in enumerate(prompts):
+        best, best_length = best_of(sources, i)
+        own, own_length = best_of(range(len(held)), i)
+        gain = sum(
+            max(0, _common_prefix(prompt, prompts[j]) - best_length)
+            for j in range(i + 1, len(prompts))
+        )
+        if best < 0 or gain > best_length - own_length:
+            best, best_length = own, own_length
+            sources.append(len(held) + i)
         if best >= 0:
             followers[i] = (best, best_length)
-        else:
-            sources.append(len(held) + i)
     return followers
 
 
-def _common_blocks(leader: Sequence[int], prompt: Sequence[int], block: int) -> int:
-    """The length, in whole blocks, of the common prefix of `leader` and `prompt`, leaving at
-    least one token of `prompt` past it."""
-    limit = min(len(leader) // block, (len(prompt) - 1) // block) * block
+def _common_prefix(leader: Sequence[int], prompt: Sequence[int]) -> int:
+    """The length of the common prefix of `leader` and `prompt`, leaving at least one token
+    of `prompt` past it."""
+    limit = min(len(leader), len(prompt) - 1)
     n = 0
-    while n < limit and leader[n : n + block] == prompt[n : n + block]:
-        n += block
+    step = 16  # whole chunks first: list slices compare in C
+    while n + step <= limit and list(leader[n : n + step]) == list(prompt[n : n + step]):
+        n += step
+    while n < limit and leader[n] == prompt[n]:
+        n += 1
     return n

@@ -21,20 +21,24 @@ from omniloop.inference.llama import read_safetensors
 from omniloop.inference.models import resolve_model
 from omniloop.inference.prefix_cache import PrefixIndex, shared_prefixes
 
-BLOCK = 16
 
-
-def test_the_longest_held_block_aligned_prefix_is_found() -> None:
+def test_the_longest_held_prefix_is_found_by_blocks_and_matched_to_the_token() -> None:
     index = PrefixIndex([10, 11], block=4)
-    assert index.store(list(range(10))) == (11, 8)  # two whole blocks of the ten tokens
-    assert index.lookup(list(range(12))) == (11, 8)
+    assert index.store(list(range(10))) == (11, 10)  # all ten tokens
+    assert index.lookup(list(range(12))) == (11, 10)
     assert index.lookup(list(range(9))) == (11, 8)
-    # At least one token is left to prefill: a prompt equal to the prefix matches one block.
-    assert index.lookup(list(range(8))) == (11, 4)
+    # At least one token is left to prefill: a prompt equal to the prefix matches all but one.
+    assert index.lookup(list(range(10))) == (11, 9)
     assert index.lookup([0, 1, 2, 3, 99, 5, 6, 7, 8]) == (11, 4)
     assert index.lookup([9, 1, 2, 3, 4]) is None
+    assert index.lookup([0, 1, 2, 9]) is None  # no whole block in common
     assert index.store([0, 1, 2]) is None  # shorter than a block
     assert index.store(list(range(8))) is None  # held already
+    # Two held sequences alike for their first two blocks: the one that goes on as the
+    # prompt does is found.
+    assert index.store([*range(8), 50, 51]) == (10, 10)
+    assert index.lookup([*range(8), 50, 51, 52]) == (10, 10)
+    assert index.lookup([*range(9), 99]) == (11, 9)
 
 
 def test_the_least_recently_used_prefix_makes_room() -> None:
@@ -52,27 +56,55 @@ def test_the_least_recently_used_prefix_makes_room() -> None:
     assert len(index) == 0
 
 
-def test_prompts_of_one_batch_share_their_common_block_aligned_prefixes() -> None:
+def test_prompts_of_one_batch_share_their_common_prefixes() -> None:
     group = list(range(10))
     other = [*range(6), 99, 98, 97]
     prompts = [group, [50, 51, 52, 53, 54], group, other, group[:8], [*group, 7]]
-    # Index 2 (the same prompt) and 3 (the same first block and a half) follow 0; 4 is the
-    # first 8 tokens of 0, and keeps one token to prefill; 5 already has 8 cached from
-    # elsewhere, and copies 8 from 0 only if that is longer (it is not).
-    assert shared_prefixes(prompts, [0, 0, 0, 0, 0, 8], block=4) == {
-        2: (0, 8),
-        3: (0, 4),
-        4: (0, 4),
+    # Index 2 (the same prompt) follows 0 and keeps one token to prefill, 3 copies the six
+    # tokens it shares, 4 (the first 8 tokens of 0) all but its last; 5 already has 8 cached
+    # from elsewhere and copies all 10 of 0.
+    assert shared_prefixes(prompts, [0, 0, 0, 0, 0, 8]) == {
+        2: (0, 9),
+        3: (0, 6),
+        4: (0, 7),
+        5: (0, 10),
     }
-    assert shared_prefixes([group, [1, *group]], [0, 0], block=4) == {}
-    assert shared_prefixes([[1, 2, 3], [1, 2, 3]], [0, 0], block=4) == {}
-    # Sources are numbered running sequences first: prompts 0 and 1 copy 8 tokens from running
-    # sequence 1; prompt 2 shares nothing.
+    assert shared_prefixes([group, [1, *group]], [0, 0]) == {}
+    assert shared_prefixes([[1, 2, 3], [1, 2, 3]], [0, 0]) == {1: (0, 2)}
+    # Sources are numbered running sequences first: prompts 0 and 1 copy 10 tokens from
+    # running sequence 1; prompt 2 shares nothing.
     held = [[7] * 12, [*group, 5, 5]]
-    assert shared_prefixes([[*group, 1], [*group, 1], [9] * 9], [0, 0, 0], held=held, block=4) == {
-        0: (1, 8),
-        1: (1, 8),
+    assert shared_prefixes([[*group, 1], [*group, 1], [9] * 9], [0, 0, 0], held=held) == {
+        0: (1, 10),
+        1: (1, 10),
     }
+
+
+def test_each_group_of_a_batch_is_led_by_one_of_its_own_prompts() -> None:
+    """Two GRPO groups whose prompts open with one system prompt: the first prompt of each
+    is prefilled (the second does not follow the first for the system prompt alone, which
+    would leave its group-mates nothing more to copy), and the group-mates copy all but the
+    last token of their group's prompt; a leader may still copy from a running sequence."""
+    system = [1, 2, 3, 4, 5]
+    a, b = [*system, *range(10, 16)], [*system, *range(20, 26)]
+    assert shared_prefixes([a, a, b, b, a, b], [0] * 6) == {
+        1: (0, 10),
+        3: (2, 10),
+        4: (0, 10),
+        5: (2, 10),
+    }
+    # Running sequence 0 holds the system prompt: each leader copies it before the first
+    # forward, the group-mates copy from their leader (batch prompt k is source 1 + k).
+    assert shared_prefixes([a, a, b, b], [0] * 4, held=[[*system, 9]]) == {
+        0: (0, 5),
+        1: (1, 10),
+        2: (0, 5),
+        3: (3, 10),
+    }
+    # A prompt that shares a little more with one later prompt than with its source follows
+    # the source (leading would lose more than the later one saves), and so does the later.
+    c, d = [*system, 30, 31, 7], [*system, 30, 31, 8]
+    assert shared_prefixes([a, c, d], [0] * 3) == {1: (0, 5), 2: (0, 5)}
 
 
 @pytest.fixture(scope="module")
@@ -121,9 +153,9 @@ def test_a_turn_that_extends_the_last_prefills_only_what_is_new(
     prompt_length = 37
     for turn in (1, 2):
         # The last turn's prompt and sampled tokens but the newest (not yet run through the
-        # model when it finished), in whole blocks.
+        # model when it finished).
         computed = prompt_length + len(with_cache[turn - 1].output_ids) - 1
-        assert with_cache[turn].cached_tokens == computed // BLOCK * BLOCK
+        assert with_cache[turn].cached_tokens == computed
         prompt_length += len(with_cache[turn - 1].output_ids) + 11 + turn - 1
     for a, b in zip(with_cache, without, strict=True):
         assert a.output_ids == b.output_ids
@@ -158,7 +190,7 @@ def test_a_group_of_one_prompt_is_prefilled_once(
     shared = batch(cached, prompts, **sampling)
     without = batch(plain, prompts, **sampling)
     assert [r.cached_tokens for r in without] == [0, 0, 0, 0]
-    assert [r.cached_tokens for r in shared] == [0, 48, 32, 48]
+    assert [r.cached_tokens for r in shared] == [0, 49, 40, 49]
     for a, b in zip(shared, without, strict=True):
         assert a.output_ids == b.output_ids
         assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-4)
@@ -197,7 +229,7 @@ def test_a_prompt_copies_what_it_shares_with_a_running_sequence(
     ]
     cached.resume().result(timeout=10)
     copied = [f.result(timeout=120) for f in futures]
-    assert [r.cached_tokens for r in copied] == [48, 48]
+    assert [r.cached_tokens for r in copied] == [49, 50]
     full = batch(plain, [prompt, extended], temperature=0.0)
     for ours, theirs in zip(copied, full, strict=True):
         assert ours.output_ids == theirs.output_ids

@@ -157,8 +157,8 @@ async def test_the_router_keeps_each_session_on_one_engine_and_spreads_the_sessi
     router = EngineRouter.over(engine_urls)
     try:
         # 20-token openings: the first turn leaves a full 16-token block for the second. They
-        # differ from their second token on, so that no first turn copies another's opening.
-        histories = {f"episode-{i}": [1, 4649 + i, *range(300, 318)] for i in range(4)}
+        # differ from their first token on, so that no first turn copies another's opening.
+        histories = {f"episode-{i}": [4649 + i, *range(300, 319)] for i in range(4)}
         cached: dict[str, list[int]] = {key: [] for key in histories}
         for _turn in range(3):
             outs = await asyncio.gather(
