@@ -43,14 +43,15 @@ Contracts:
   into one of `prefix_cache_slots` retained slots; a request whose prompt extends a retained
   prefix (found by blocks of 16 tokens, matched to the token) copies it back and prefills
   only the rest, reported as `cached_tokens`. Prompts admitted together share their common
-  prefixes (to the token) the
-  same way (a GRPO group's samples, a common system prompt), with a running sequence (copied
-  from its slot before the prefill; only one admitted since the last weight update) or with
-  each other (one prompt of each group that shares is prefilled, then the others copy the
-  shared part from its slot and prefill the rest in a second forward, only when that saves
-  at least `MIN_SHARED_TOKENS`); the copied tokens count as `cached_tokens` too. A weight update or
-  `flush_cache` empties it. The outputs are those of a full prefill up to float rounding (the
-  attention over the cached part is computed in another order).
+  prefixes (to the token) the same way (a GRPO group's samples, a common system prompt), with
+  a running sequence (copied from its slot before the prefill; only one admitted since the
+  last weight update) or with each other (a prompt is prefilled, then the others copy the
+  shared part from its slot and prefill the rest in a further forward: a GRPO group's first
+  sample copies a system prompt from another group's, its group-mates copy from it in the
+  forward after; only when that saves at least `MIN_SHARED_TOKENS`); the copied tokens count
+  as `cached_tokens` too. A weight update or `flush_cache` empties it. The outputs are those
+  of a full prefill up to float rounding (the attention over the cached part is computed in
+  another order).
 - Weight-update groups (`weight_groups.WeightGroups`): `init_weights_update_group` joins a
   trainer's torch.distributed group and `update_weights_from_distributed` receives one
   broadcast bucket on the calling thread, so generation goes on while the bytes arrive; only
@@ -116,9 +117,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MIN_SHARED_TOKENS = 64
-"""Fewest prompt tokens that sharing prefixes within one prefill must save: the followers'
-second forward reads every weight again, which costs about what prefilling a few dozen tokens
-does on a CPU."""
+"""Fewest prompt tokens that sharing prefixes within one prefill must save, and that a prompt
+made a source for others (a further forward) must save them: each forward reads every weight
+again, which costs about what prefilling a few dozen tokens does on a CPU."""
 
 
 def available_cores() -> int:
@@ -730,11 +731,14 @@ class EngineCore:
         sources = [*running, *seqs]
         followers = self._shared_prefixes(seqs, running)
         # Followers of a running sequence copy before the first forward; those of a prompt of
-        # this batch before a second one, once that prompt has been prefilled.
-        later = [i for i, (source, _) in followers.items() if source >= len(running)]
-        first = [i for i in range(len(seqs)) if i not in later]
+        # this batch before the forward after the one that prefilled that prompt.
+        level = [0] * len(seqs)
+        for i, (source, _) in sorted(followers.items()):
+            if source >= len(running):
+                level[i] = level[source - len(running)] + 1
         rows: list[torch.Tensor] = [torch.empty(0)] * len(seqs)
-        for part in (first, later) if later else (first,):
+        for depth in range(max(level) + 1):
+            part = [i for i in range(len(seqs)) if level[i] == depth]
             for i in part:
                 if i in followers:
                     source, length = followers[i]
@@ -763,9 +767,9 @@ class EngineCore:
         """The prompts of `seqs` that copy a prefix from a `running` sequence or another prompt
         of `seqs` (sources numbered in that order): `shared_prefixes`'s answer, without
         the followers of `seqs` when what they save is below `MIN_SHARED_TOKENS` (they cost a
-        second forward). None without a prefix cache (no retained slots: a runner without one,
-        or `prefix_cache_slots=0`) or with a prompt's media (their placeholders are alike, the
-        media not)."""
+        second forward, and each further link of a chain one more). None without a prefix
+        cache (no retained slots: a runner without one, or `prefix_cache_slots=0`) or with a
+        prompt's media (their placeholders are alike, the media not)."""
         if not self._prefixes.slots or any(s.req.media for s in seqs):
             return {}
         held = [[*s.req.input_ids, *s.output_ids][: s.cached] for s in running]
@@ -773,6 +777,7 @@ class EngineCore:
             [s.req.input_ids for s in seqs],
             [s.prefix_hit for s in seqs],
             held=held,
+            min_gain=MIN_SHARED_TOKENS,
         )
         saved = sum(
             length - seqs[i].prefix_hit

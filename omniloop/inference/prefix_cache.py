@@ -127,47 +127,41 @@ def shared_prefixes(
     cached: Sequence[int],
     *,
     held: Sequence[Sequence[int]] = (),
+    min_gain: int = 1,
 ) -> dict[int, tuple[int, int]]:
     """Which prompts of one prefill batch can copy a prefix from a sequence already in the
     cache or from another prompt of the batch.
 
     `held` are the tokens whose keys and values running sequences hold in their slots.
     Returns follower index -> `(source, shared length)`: the source is `held[source]` when
-    `source < len(held)`, else prompt `source - len(held)` of the batch; it starts with the
-    same `shared length` tokens, which is shorter than the follower's prompt (at least one
-    token is left to prefill) and longer than the `cached` prefix the follower already has.
+    `source < len(held)`, else prompt `source - len(held)` of the batch (an earlier one); it
+    starts with the same `shared length` tokens, which is shorter than the follower's prompt
+    (at least one token is left to prefill) and longer than the `cached` prefix the follower
+    already has.
 
-    A prompt of the batch that is a source copies only from `held`, so prefilling the others
-    first, then the followers of batch prompts after copying their prefixes, takes at most
-    two passes. A prompt becomes a source, rather than following the source that shares most
-    with it, when the later prompts that share more with it save more by copying from it than
-    it loses by copying from `held` only: the first prompts of two GRPO groups that open with
-    one system prompt each lead their group (the second does not copy the system prompt from
-    the first and leave its group-mates only that to copy)."""
+    A prompt that shares nothing is a source; one that follows another is a source too when
+    the later prompts would copy at least `min_gain` tokens more from it than from its own
+    source: the first prompt of each GRPO group of a batch that opens with one system prompt
+    copies the system prompt from the first group's and is copied by its group-mates. Its
+    followers can copy only once it is prefilled: prefilling the batch takes one pass per link
+    of the longest chain of batch prompts, and `min_gain` is what an extra pass must save."""
     followers: dict[int, tuple[int, int]] = {}
     sources = list(range(len(held)))
-
-    def best_of(candidates: Sequence[int], i: int) -> tuple[int, int]:
+    for i, prompt in enumerate(prompts):
         best, best_length = -1, cached[i]
-        for source in candidates:
+        for source in sources:
             tokens = held[source] if source < len(held) else prompts[source - len(held)]
-            length = _common_prefix(tokens, prompts[i])
+            length = _common_prefix(tokens, prompt)
             if length > best_length:
                 best, best_length = source, length
-        return best, best_length
-
-    for i, prompt in enumerate(prompts):
-        best, best_length = best_of(sources, i)
-        own, own_length = best_of(range(len(held)), i)
+        if best >= 0:
+            followers[i] = (best, best_length)
         gain = sum(
             max(0, _common_prefix(prompt, prompts[j]) - best_length)
             for j in range(i + 1, len(prompts))
         )
-        if best < 0 or gain > best_length - own_length:
-            best, best_length = own, own_length
+        if best < 0 or gain >= min_gain:
             sources.append(len(held) + i)
-        if best >= 0:
-            followers[i] = (best, best_length)
     return followers
 
 

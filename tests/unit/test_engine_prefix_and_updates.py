@@ -80,31 +80,31 @@ def test_prompts_of_one_batch_share_their_common_prefixes() -> None:
     }
 
 
-def test_each_group_of_a_batch_is_led_by_one_of_its_own_prompts() -> None:
-    """Two GRPO groups whose prompts open with one system prompt: the first prompt of each
-    is prefilled (the second does not follow the first for the system prompt alone, which
-    would leave its group-mates nothing more to copy), and the group-mates copy all but the
-    last token of their group's prompt; a leader may still copy from a running sequence."""
+def test_a_group_copies_from_its_first_prompt_which_copies_the_system_prompt() -> None:
+    """Two GRPO groups whose prompts open with one system prompt: the first prompt of the
+    second group copies the system prompt from the first group's and is copied by its
+    group-mates (rather than those copying only the system prompt too): three forwards."""
     system = [1, 2, 3, 4, 5]
     a, b = [*system, *range(10, 16)], [*system, *range(20, 26)]
     assert shared_prefixes([a, a, b, b, a, b], [0] * 6) == {
         1: (0, 10),
+        2: (0, 5),
         3: (2, 10),
         4: (0, 10),
         5: (2, 10),
     }
-    # Running sequence 0 holds the system prompt: each leader copies it before the first
-    # forward, the group-mates copy from their leader (batch prompt k is source 1 + k).
+    # A running sequence (source 0) holds the system prompt: each group's first prompt copies
+    # it, its group-mates copy from it (batch prompt k is source 1 + k).
     assert shared_prefixes([a, a, b, b], [0] * 4, held=[[*system, 9]]) == {
         0: (0, 5),
         1: (1, 10),
         2: (0, 5),
         3: (3, 10),
     }
-    # A prompt that shares a little more with one later prompt than with its source follows
-    # the source (leading would lose more than the later one saves), and so does the later.
+    # A prompt becomes a source only when its followers save `min_gain` tokens by it.
     c, d = [*system, 30, 31, 7], [*system, 30, 31, 8]
-    assert shared_prefixes([a, c, d], [0] * 3) == {1: (0, 5), 2: (0, 5)}
+    assert shared_prefixes([a, c, d], [0] * 3) == {1: (0, 5), 2: (1, 7)}
+    assert shared_prefixes([a, c, d], [0] * 3, min_gain=3) == {1: (0, 5), 2: (0, 5)}
 
 
 @pytest.fixture(scope="module")
