@@ -187,10 +187,10 @@ class TrainerConfig(StrictModel):
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% slower)."""
     keep_freed_memory: bool = True
-    """On the CPU, have the trainer's process keep the memory it frees for its next
-    allocations instead of giving it back to the kernel and faulting it in again page by page
-    (`trainer/host_memory.py`; glibc's malloc only): SmolLM2-135M's optimizer step on one
-    thread ran 6-9 % faster. The process then holds the memory of its peak between steps."""
+    """On the CPU, have the trainer's (and the critic's) process keep the memory it frees for
+    its next allocations instead of giving it back to the kernel and faulting it in again page
+    by page (`trainer/host_memory.py`; glibc's malloc only): SmolLM2-135M's optimizer step on
+    one thread ran 6-9 % faster. The process then holds the memory of its peak between steps."""
     logits_chunk_size: int = Field(default=1024, gt=0)
     """Token rows per chunk when turning logits into logprobs and entropy, so that the fp32 copy
     of the (tokens × vocabulary) logits never exists all at once."""
