@@ -61,9 +61,11 @@ class PrefixIndex:
         candidates: set[int] = set()
         for i, key in enumerate(self._hashes(tokens, (len(tokens) - 1) // self.block)):
             length = (i + 1) * self.block
-            prefix = list(tokens[:length])
-            holders = self._by_prefix.get(key, ())
-            matching = {slot for slot in holders if self._tokens[slot][:length] == prefix}
+            matching = {
+                slot
+                for slot in self._by_prefix.get(key, ())
+                if self._tokens[slot][:length] == list(tokens[:length])
+            }
             if not matching:
                 break
             candidates = matching

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import CriticConfig, TrainerConfig
-from omniloop.trainer.host_memory import keep_freed_memory_on
+from omniloop.trainer.host_memory import keep_freed_memory
 from omniloop.trainer.torch_backend import FUSED_ADAMW_DEVICES, Scorer, default_device
 
 
@@ -78,8 +78,8 @@ class TorchCritic:
         self.config = config
         self.micro_batch_size = trainer.micro_batch_size
         self.device = torch.device(trainer.device) if trainer.device else default_device()
-        # For a critic role in a process of its own, as for the actor.
-        keep_freed_memory_on(self.device, trainer.keep_freed_memory)
+        if trainer.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()  # for a critic role in a process of its own, as for the actor
         self.scorer = Scorer(trainer.model_copy(update={"dtype": "fp32"}), self.device)
         folder = resolve_model(str(config.model or model))
         self.backbone: nn.Module = AutoModel.from_pretrained(folder, dtype=torch.float32)

@@ -17,8 +17,6 @@ import ctypes
 import ctypes.util
 import logging
 
-import torch
-
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
@@ -47,10 +45,3 @@ def keep_freed_memory() -> bool:
     if not taken:
         log.info("keep_freed_memory: mallopt refused the settings; left as it is")
     return taken
-
-
-def keep_freed_memory_on(device: torch.device, enabled: bool) -> None:
-    """`keep_freed_memory` for a trainer process on `device` when `enabled`
-    (`trainer.keep_freed_memory`): only the CPU's memory is malloc's."""
-    if enabled and device.type == "cpu":
-        keep_freed_memory()

@@ -64,7 +64,7 @@ from omniloop.inference.models import resolve_model
 from omniloop.trainer.batch import TrainBatch
 from omniloop.trainer.config import TrainerConfig
 from omniloop.trainer.data_parallel import Alone, RankGroup
-from omniloop.trainer.host_memory import keep_freed_memory_on
+from omniloop.trainer.host_memory import keep_freed_memory
 from omniloop.trainer.losses import entropy_from_logits, rl_loss, token_logprobs
 from omniloop.trainer.packing import Packing, pack_rows, token_order
 
@@ -546,7 +546,8 @@ class TorchTrainerBackend:
         self.ranks: RankGroup = ranks or Alone()
         self.model_path = resolve_model(str(model))
         self.device = torch.device(self.config.device) if self.config.device else default_device()
-        keep_freed_memory_on(self.device, self.config.keep_freed_memory)
+        if self.config.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()
         self.policy = load_policy(self.model_path, self.config)
         # nn.Module.to directly: transformers' wrapper around `to` confuses type checkers.
         self.model: nn.Module = nn.Module.to(self.policy.module, self.device)
