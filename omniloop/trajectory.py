@@ -41,8 +41,8 @@ def trajectory_id(run: str, episode: str, segment: int = 0) -> str:
     """Deterministic id of one trajectory segment: the same inputs always give the same id.
 
     The attempt is not part of it: an episode re-run after its rollout replica died (`attempt`
-    + 1 in the meta) takes the same id, so its row replaces the cut-off one in the data plane
-    and the trainer counts the episode once.
+    + 1 in the meta) takes the same id, so the data plane holds one row for it (the first
+    attempt that wrote one: `EpisodeWriter.written_before`) and the trainer counts it once.
     """
     key = f"{run}\x1f{episode}\x1f{segment}".encode()
     return hashlib.blake2b(key, digest_size=12).hexdigest()

@@ -62,7 +62,7 @@ from omniloop.trainer.backend import Supervised, TrainerBackend
 from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
 from omniloop.trainer.config import AdvantageConfig, CriticConfig, TeacherConfig
 from omniloop.trainer.reference import ReferencePolicy
-from omniloop.trajectory import INFRA_STOP_REASONS
+from omniloop.trajectory import INFRA_STOP_REASONS, trajectory_id
 
 if TYPE_CHECKING:
     from omniloop.platform.data import DataPlane
@@ -194,7 +194,9 @@ class EpisodeRunner:
     fields and reward to partition `step`, appends it to `trajectories/step_{step}.jsonl` and
     records it in the run store (`EpisodeWriter`: episodes that end together are written
     together), and returns once it is written. Writes are keyed by trajectory id, which the
-    attempt does not change, so an episode re-run after a failure replaces its earlier row.
+    attempt does not change. A re-run (`attempt` > 0) whose earlier attempt's row is in the
+    data plane (its replica died after writing it, before it replied) is not run again: the
+    earlier trajectory stands, since readers may have derived fields from it already.
     An episode whose work died with a replica of another role (its sandbox with the sandbox
     replica: the error's `failed_role`) is not written: `run` raises `RoleLost`, and the
     caller runs it again.
@@ -250,6 +252,12 @@ class EpisodeRunner:
     async def run(self, step: int, index: int, attempt: int = 0) -> EpisodeSummary:
         """Run episode `index` of step `step` and write it; see the class docstring."""
         task, settings = self.plan(step)[index]
+        if attempt > 0:
+            earlier = await self._writer.written_before(
+                step, trajectory_id(settings.run_id, settings.episode_id)
+            )
+            if earlier is not None:
+                return EpisodeSummary.of(earlier)
         settings = dataclasses.replace(settings, attempt=attempt)
         async with self._limit:
             trajectory = await run_episode(

@@ -8,11 +8,19 @@ bursts, so `EpisodeWriter` commits them as a group: the first episode is written
 those that finish while a write is under way are written together by the next one. A group's
 put and store record run side by side, and its trajectory lines follow once both succeeded.
 Nothing waits for a timer, and an episode is never reported done before it is written.
+
+The first write of an episode is the one that stands. An attempt whose reply was lost (its
+replica died after the put) may have been read already by the stages that derive fields from
+its row (the advantages of its group, reference logprobs), and a new attempt may sample other
+tokens (under newer weights, in another batch): a re-run asks `written_before` first, which
+returns the earlier attempt's trajectory and completes its store record and trajectory line
+when the put got through.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Awaitable
 from pathlib import Path
@@ -61,6 +69,22 @@ class EpisodeWriter:
         # Shielded: an episode whose caller gives up is still written with its group.
         await asyncio.shield(written)
 
+    async def written_before(self, step: int, trajectory_id: str) -> Trajectory | None:
+        """The trajectory an earlier attempt put into partition `step` under `trajectory_id`,
+        or None if none did. Its store record (kept by the store if it was made) and its line
+        in the step's trajectory file (if missing) are written from it, so the episode is
+        written everywhere as that attempt left it."""
+        trajectory = await self._data.written(step, trajectory_id)
+        if trajectory is None:
+            return None
+        if self._store is not None:  # records an id once: a no-op if it got there before
+            await self._store.record_episodes(self._run_id, [trajectory], agent=self._agent)
+        path = self._out_dir / f"step_{step}.jsonl"
+        if trajectory_id not in _ids_in(path):
+            with path.open("a") as stream:
+                write_trajectory(stream, trajectory)
+        return trajectory
+
     async def _commit(self) -> None:
         while self._waiting:
             group, self._waiting = self._waiting, []
@@ -99,3 +123,17 @@ class EpisodeWriter:
         with (self._out_dir / f"step_{step}.jsonl").open("a") as stream:
             for trajectory in trajectories:
                 write_trajectory(stream, trajectory)
+
+
+def _ids_in(path: Path) -> set[str]:
+    """The trajectory ids of a trajectory file's complete lines (another process may be
+    appending its last one)."""
+    if not path.is_file():
+        return set()
+    ids = set()
+    for line in path.read_text().splitlines():
+        try:
+            ids.add(json.loads(line)["id"])
+        except (ValueError, KeyError):
+            continue
+    return ids

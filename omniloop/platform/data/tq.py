@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -68,6 +69,7 @@ from transfer_queue.client import AsyncTransferQueueClient
 from omniloop.config import StrictModel
 from omniloop.platform.data.base import (
     FIELDS,
+    ROLLOUT_FIELDS,
     DataPlaneError,
     DataPlaneTimeoutError,
     FieldKind,
@@ -340,6 +342,34 @@ class DataPlane:
         self._check_open()
         await self._client.async_kv_retrieve_meta(
             keys=[_CLOSED_KEY], partition_id=_closed_partition(partition_id(step)), create=True
+        )
+
+    async def written(self, step: int, trajectory_id: str) -> Trajectory | None:
+        """See `DataBus.written`."""
+        self._check_open()
+        partition = partition_id(step)
+        if partition not in await self._client.async_get_partition_list():
+            return None
+        meta = await self._client.async_kv_retrieve_meta(
+            keys=[trajectory_id], partition_id=partition, create=False
+        )
+        names = [*ROLLOUT_FIELDS, "reward"]
+        if meta.size != 1 or not set(names) <= set(meta.field_names):
+            return None
+        meta = meta.select_fields(names)
+        if not meta.is_ready:
+            return None
+        with _keep_torch_threads():
+            data = await self._client.async_get_data(meta)
+        row = {name: _decode(data[name], 1)[0] for name in names}
+        reward = float(row.pop("reward"))
+        values = {
+            name: value.tolist() if FIELDS[name].kind == "tokens" else value
+            for name, value in row.items()
+        }
+        values["prompt_length"] = int(values["prompt_length"])
+        return Trajectory.model_validate(
+            {**values, "id": trajectory_id, "reward": None if math.isnan(reward) else reward}
         )
 
     async def clear(self, step: int) -> None:

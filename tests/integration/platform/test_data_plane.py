@@ -262,6 +262,33 @@ async def test_a_rollout_writes_its_reward_in_the_same_put(
     assert rows[ids[2]] != rows[ids[2]]  # NaN: an infrastructure failure's reward
 
 
+async def test_a_written_row_reads_back_as_its_trajectory_without_being_consumed(
+    plane: DataPlane, writer: DataPlane, step: int
+) -> None:
+    # What a re-run episode finds when an earlier attempt's put got through.
+    scored, failed, unscored = (make_trajectory(e) for e in range(3))
+    scored.reward = 0.5
+    assert await plane.written(step, scored.id) is None  # no partition yet
+    await writer.put_rollout(step, [scored, failed], extra={"reward": [0.5, float("nan")]})
+    await writer.put_rollout(step, [unscored])  # a row without its reward is not complete
+    back = await plane.written(step, scored.id)
+    assert back is not None
+    # Logprobs are stored as fp32, as the engines compute them.
+    fp32 = torch.tensor(scored.rollout_logprobs, dtype=torch.float32).tolist()
+    assert back.model_dump() == scored.model_copy(update={"rollout_logprobs": fp32}).model_dump()
+    again = await plane.written(step, failed.id)
+    assert again is not None
+    assert again.reward is None
+    assert (again.input_ids, again.meta) == (failed.input_ids, failed.meta)
+    assert await plane.written(step, unscored.id) is None
+    assert await plane.written(step, "no-such-trajectory") is None
+    # Read back, not handed out: a consumer still gets every row.
+    await writer.put_field(step, [unscored.id], "reward", [1.0])
+    await writer.close_partition(step)
+    batches = await collect(plane, step, ["input_ids", "reward"], 2)
+    assert sorted(ids_of(batches)) == sorted(t.id for t in (scored, failed, unscored))
+
+
 async def test_exactly_once_across_a_restore(
     plane: DataPlane, writer: DataPlane, step: int
 ) -> None:

@@ -148,6 +148,7 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
             "services.api_port": port,
             "trainer.loss.kl_coef": 0.05,
             "trainer.reference": "external",
+            "data_plane.read_timeout": 240,
         },
     )
     chaos = ChaosRun(run_dir, [], [])
@@ -203,6 +204,22 @@ def test_episodes_cut_off_by_a_dead_engine_or_sandbox_resumed_on_the_replacement
         stops = [t["meta"]["stop_reason"] for t in read_jsonl(path)]
         assert "engine_error" not in stops, path.name
         assert "sandbox_error" not in stops, path.name
+
+
+def test_each_episode_is_written_once_as_the_store_holds_it(chaos_run: ChaosRun) -> None:
+    # An episode re-run after its rollout replica died keeps the first attempt that wrote its
+    # row: one line per id in its step's file, the same trajectory as the store's record.
+    run_id = (chaos_run.run_dir / "run_id").read_text().strip()
+    with Store(f"sqlite:///{chaos_run.run_dir}/omniloop.db") as store:
+        for path in sorted((chaos_run.run_dir / "trajectories").glob("step_*.jsonl")):
+            lines = read_jsonl(path)
+            ids = [t["id"] for t in lines]
+            assert len(ids) == len(set(ids)) == TASKS_PER_STEP * SAMPLES, path.name
+            for line in lines:
+                stored = store.get_episode(line["id"]).trajectory
+                assert stored is not None
+                assert stored.meta.run_id == run_id
+                assert stored.input_ids == line["input_ids"], (path.name, line["id"])
 
 
 def _running(pid: int) -> bool:

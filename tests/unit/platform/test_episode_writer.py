@@ -33,6 +33,8 @@ class Writes:
         self.fail_put = fail_put
         self.log: list[tuple[str, list[str], float, float]] = []
         self.rewards: list[list[float]] = []
+        self.rows: dict[str, Trajectory] = {}
+        """What the data plane holds, by trajectory id, for `written`."""
 
     async def _write(self, what: str, trajectories: list[Trajectory]) -> None:
         loop = asyncio.get_running_loop()
@@ -52,6 +54,9 @@ class Writes:
         self, run_id: str, trajectories: list[Trajectory], *, agent: str
     ) -> None:
         await self._write("record", trajectories)
+
+    async def written(self, step: int, trajectory_id: str) -> Trajectory | None:
+        return self.rows.get(trajectory_id)
 
 
 def _writer(writes: Writes, out: Path) -> EpisodeWriter:
@@ -134,3 +139,22 @@ def test_an_episode_without_a_usable_reward_is_written_with_nan(
     asyncio.run(_writer(writes, tmp_path).write(0, trajectory))
     [[reward]] = writes.rewards
     assert reward != reward  # NaN
+
+
+def test_a_rerun_finds_the_trajectory_an_earlier_attempt_put_and_completes_its_writes(
+    tmp_path: Path,
+) -> None:
+    # The earlier attempt's put got through; its replica died before the record and the line.
+    writes = Writes()
+    writer = _writer(writes, tmp_path)
+    earlier = _trajectory(4)
+    writes.rows[earlier.id] = earlier
+    assert asyncio.run(writer.written_before(2, _trajectory(5).id)) is None
+    assert writes.log == []
+    assert asyncio.run(writer.written_before(2, earlier.id)) == earlier
+    assert asyncio.run(writer.written_before(2, earlier.id)) == earlier
+    # The store records an id once (`record_episodes`); the line is written once.
+    assert [(what, ids) for what, ids, *_ in writes.log] == [("record", [earlier.id])] * 2
+    lines = (tmp_path / "step_2.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [earlier.id]
+    assert not [what for what, *_ in writes.log if what == "put"]  # the row stands as it was
