@@ -257,6 +257,12 @@ class EpisodeRunner:
                 step, trajectory_id(settings.run_id, settings.episode_id)
             )
             if earlier is not None:
+                log.info(
+                    "step %d episode %d: attempt %d was written before its replica died; kept",
+                    step,
+                    index,
+                    earlier.meta.attempt,
+                )
                 return EpisodeSummary.of(earlier)
         settings = dataclasses.replace(settings, attempt=attempt)
         async with self._limit:
