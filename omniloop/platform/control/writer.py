@@ -77,7 +77,7 @@ class EpisodeWriter:
         trajectory = await self._data.written(step, trajectory_id)
         if trajectory is None:
             return None
-        if self._store is not None:  # records an id once: a no-op if it got there before
+        if self._store is not None:  # keeps a record it has: a no-op if it got there before
             await self._store.record_episodes(self._run_id, [trajectory], agent=self._agent)
         path = self._out_dir / f"step_{step}.jsonl"
         if trajectory_id not in _ids_in(path):
@@ -114,8 +114,12 @@ class EpisodeWriter:
             self._data.put_rollout(step, trajectories, extra={"reward": rewards})
         ]
         if self._store is not None:
+            # `replace`: a step produced again (after a resume or the actor's restore) is
+            # trained as produced now, under the same ids, and the store must hold that.
             writes.append(
-                self._store.record_episodes(self._run_id, trajectories, agent=self._agent)
+                self._store.record_episodes(
+                    self._run_id, trajectories, agent=self._agent, replace=True
+                )
             )
         for outcome in await asyncio.gather(*writes, return_exceptions=True):
             if isinstance(outcome, BaseException):

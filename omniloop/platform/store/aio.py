@@ -143,10 +143,15 @@ class AsyncStore:
         return await asyncio.to_thread(self.store.finish_episode, episode_id, trajectory)
 
     async def record_episodes(
-        self, run_id: str, trajectories: Sequence[Trajectory], *, agent: str = ""
+        self,
+        run_id: str,
+        trajectories: Sequence[Trajectory],
+        *,
+        agent: str = "",
+        replace: bool = False,
     ) -> int:
         return await asyncio.to_thread(
-            self.store.record_episodes, run_id, trajectories, agent=agent
+            self.store.record_episodes, run_id, trajectories, agent=agent, replace=replace
         )
 
     async def get_episode(self, episode_id: str, *, with_trajectory: bool = True) -> EpisodeRecord:

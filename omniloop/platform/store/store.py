@@ -42,12 +42,14 @@ from sqlalchemy import (
     Table,
     and_,
     case,
+    delete,
     distinct,
     func,
     insert,
     or_,
     select,
     text,
+    update,
 )
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -1164,44 +1166,68 @@ class Store:
             return _episode_record(row)
 
     def record_episodes(
-        self, run_id: str, trajectories: Sequence[Trajectory], *, agent: str = ""
+        self,
+        run_id: str,
+        trajectories: Sequence[Trajectory],
+        *,
+        agent: str = "",
+        replace: bool = False,
     ) -> int:
         """Record episodes a run has already finished (a training step's), each with its
-        trajectory, in one transaction; return how many were new.
+        trajectory, in one transaction; return how many were written.
 
         Each becomes an episode of `run_id` whose id is its trajectory's id (ids hash the run
         id, so they do not clash across runs) and whose status is what `finish_episode` would
-        give it. Trajectories already recorded are skipped, so a resumed run that redoes a step
-        records nothing twice. Each trajectory is checked as `finish_episode` checks it
-        (`InvalidArgument`, and then nothing is recorded); `NotFound` if the run does not exist.
+        give it. An id recorded before is kept as it is, unless `replace`: then its episode
+        takes the new trajectory, outcome and status (a step produced again, after a resume or
+        an actor's restore, trains its new production under the same ids), with a `status`
+        event. Each trajectory is checked as `finish_episode` checks it (`InvalidArgument`,
+        and then nothing is recorded); `NotFound` if the run does not exist.
         """
-        bodies = {t.id: _trajectory_body(t) for t in trajectories}
+        unique = list(dict((t.id, t) for t in trajectories).values())
+        bodies = {t.id: _trajectory_body(t) for t in unique}
         with self._writing_core() as connection:
             if not self._run_exists(connection, run_id):
                 raise NotFound("run", run_id)
             known = set(
                 connection.scalars(select(EpisodeRow.id).where(EpisodeRow.id.in_(list(bodies))))
             )
-            new = [t for t in dict((t.id, t) for t in trajectories).values() if t.id not in known]
-            if not new:
+            new = [t for t in unique if t.id not in known]
+            replaced = [t for t in unique if t.id in known] if replace else []
+            if not new and not replaced:
                 return 0
             now = utcnow()
-            episodes = []
-            for trajectory in new:
-                values = self._episode_values(
-                    trajectory.meta.task, run_id=run_id, agent=agent, episode_id=trajectory.id
+            outcomes = {
+                t.id: {
+                    **_outcome(t),
+                    "status": _final_status(t.meta),
+                    "started_at": now - timedelta(seconds=t.meta.timings.get("total", 0.0)),
+                    "finished_at": now,
+                }
+                for t in [*new, *replaced]
+            }
+            if new:
+                connection.execute(
+                    insert(EPISODES),
+                    [
+                        {
+                            **self._episode_values(
+                                t.meta.task, run_id=run_id, agent=agent, episode_id=t.id
+                            ),
+                            **outcomes[t.id],
+                        }
+                        for t in new
+                    ],
                 )
-                took = timedelta(seconds=trajectory.meta.timings.get("total", 0.0))
-                episodes.append(
-                    {
-                        **values,
-                        **_outcome(trajectory),
-                        "status": _final_status(trajectory.meta),
-                        "started_at": now - took,
-                        "finished_at": now,
-                    }
+            for trajectory in replaced:
+                connection.execute(
+                    update(EPISODES)
+                    .where(EPISODES.c.id == trajectory.id)
+                    .values(**outcomes[trajectory.id], updated_at=now)
                 )
-            connection.execute(insert(EPISODES), episodes)
+            if replaced:
+                ids = [t.id for t in replaced]
+                connection.execute(delete(TRAJECTORIES).where(TRAJECTORIES.c.episode_id.in_(ids)))
             connection.execute(
                 insert(TRAJECTORIES),
                 [
@@ -1213,16 +1239,16 @@ class Store:
                         "body": bodies[t.id],
                         "created_at": now,
                     }
-                    for t in new
+                    for t in [*new, *replaced]
                 ],
             )
-            for episode in episodes:
+            for episode_id, outcome in outcomes.items():
                 data = {
-                    key: episode[key]
+                    key: outcome[key]
                     for key in ("status", "reward", "stop_reason", "error_type", "trajectory_id")
                 }
-                self._add_event(connection, "status", data, run_id=run_id, episode_id=episode["id"])
-        return len(new)
+                self._add_event(connection, "status", data, run_id=run_id, episode_id=episode_id)
+        return len(new) + len(replaced)
 
     def claim_next_episode(self) -> EpisodeRecord | None:
         """Move the oldest `queued` episode to `running` and return it; None if none is queued.

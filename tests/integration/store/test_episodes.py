@@ -356,6 +356,35 @@ def test_record_episodes_stores_a_runs_finished_episodes_once(
     assert [e.data["status"] for e in store.list_events(episode_id=failed.id)] == ["failed"]
 
 
+def test_record_episodes_replaces_a_step_produced_again_when_asked(
+    store: Store, make_trajectory: TrajectoryFactory
+) -> None:
+    store.create_run(run_id="train")
+    first = [make_trajectory(f"step0/t{i}/0", run_id="train", reward=1.0) for i in range(2)]
+    assert store.record_episodes("train", first) == 2
+    # The step is produced again under the same ids: one episode now fails on infrastructure.
+    again = [
+        make_trajectory("step0/t0/0", run_id="train", reward=0.25),
+        make_trajectory(
+            "step0/t1/0", run_id="train", reward=None, stop_reason="engine_error",
+            error=("EngineError", "connection refused"),
+        ),
+    ]  # fmt: skip
+    assert [t.id for t in again] == [t.id for t in first]
+    assert store.record_episodes("train", again) == 0  # kept without `replace`
+    assert store.get_episode(first[0].id).trajectory == first[0]
+    assert store.record_episodes("train", again, replace=True) == 2
+    counts = store.count_episodes("train")
+    assert (counts["completed"], counts["failed"]) == (1, 1)
+    assert store.get_episode(first[0].id).trajectory == again[0]
+    assert store.get_episode(first[0].id).reward == 0.25
+    broken = store.get_episode(first[1].id)
+    assert (broken.status, broken.error_type, broken.reward) == ("failed", "EngineError", None)
+    assert broken.trajectory == again[1]
+    statuses = [e.data["status"] for e in store.list_events(episode_id=first[1].id)]
+    assert statuses == ["completed", "failed"]
+
+
 def test_record_episodes_refuses_an_unknown_run_or_a_malformed_trajectory_whole(
     store: Store, make_trajectory: TrajectoryFactory
 ) -> None:

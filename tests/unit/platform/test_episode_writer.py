@@ -33,6 +33,8 @@ class Writes:
         self.fail_put = fail_put
         self.log: list[tuple[str, list[str], float, float]] = []
         self.rewards: list[list[float]] = []
+        self.replace: list[bool] = []
+        """Each store record's `replace` flag."""
         self.rows: dict[str, Trajectory] = {}
         """What the data plane holds, by trajectory id, for `written`."""
 
@@ -51,8 +53,9 @@ class Writes:
         await self._write("put", trajectories)
 
     async def record_episodes(
-        self, run_id: str, trajectories: list[Trajectory], *, agent: str
+        self, run_id: str, trajectories: list[Trajectory], *, agent: str, replace: bool = False
     ) -> None:
+        self.replace.append(replace)
         await self._write("record", trajectories)
 
     async def written(self, step: int, trajectory_id: str) -> Trajectory | None:
@@ -85,6 +88,8 @@ def test_episodes_that_end_during_a_write_go_in_the_next_group(tmp_path: Path) -
         "ep3",
     ]
     assert sorted(r for group in writes.rewards for r in group) == [0.0, 1.0, 2.0, 3.0]
+    # A step's writes replace a record under the same id (the step was produced again).
+    assert writes.replace == [True, True]
 
 
 def test_the_put_and_the_record_run_side_by_side(tmp_path: Path) -> None:
@@ -153,8 +158,9 @@ def test_a_rerun_finds_the_trajectory_an_earlier_attempt_put_and_completes_its_w
     assert writes.log == []
     assert asyncio.run(writer.written_before(2, earlier.id)) == earlier
     assert asyncio.run(writer.written_before(2, earlier.id)) == earlier
-    # The store records an id once (`record_episodes`); the line is written once.
+    # The store keeps a record it has (`record_episodes` without `replace`); one line.
     assert [(what, ids) for what, ids, *_ in writes.log] == [("record", [earlier.id])] * 2
+    assert writes.replace == [False, False]
     lines = (tmp_path / "step_2.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == [earlier.id]
     assert not [what for what, *_ in writes.log if what == "put"]  # the row stands as it was

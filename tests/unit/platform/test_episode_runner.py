@@ -1,0 +1,119 @@
+"""`EpisodeRunner.run`: a re-run episode (`attempt` > 0) asks the data plane for the row under
+the id its first attempt wrote, and keeps that row instead of running again."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omniloop.agents.base import Task
+from omniloop.platform.control import local
+from omniloop.platform.control.episode import EpisodeSettings
+from omniloop.platform.control.local import EpisodeRunner
+from omniloop.platform.control.rollout_config import RolloutConfig
+from omniloop.platform.control.run_config import RunConfig
+from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta
+
+
+class Rows:
+    """A data plane holding each put row by trajectory id, logging the ids asked for."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Trajectory] = {}
+        self.asked: list[str] = []
+
+    async def put_rollout(self, step: int, trajectories: list[Trajectory], extra: Any) -> None:
+        self.rows.update((t.id, t) for t in trajectories)
+
+    async def written(self, step: int, trajectory_id: str) -> Trajectory | None:
+        self.asked.append(trajectory_id)
+        return self.rows.get(trajectory_id)
+
+
+@pytest.fixture
+def episodes(monkeypatch: pytest.MonkeyPatch) -> list[EpisodeSettings]:
+    """Stands in for `run_episode`: logs each run's settings and samples one token that says
+    which attempt sampled it."""
+    ran: list[EpisodeSettings] = []
+
+    async def run_episode(agent: Any, task: Task, **kwargs: Any) -> Trajectory:
+        settings: EpisodeSettings = kwargs["settings"]
+        ran.append(settings)
+        builder = TrajectoryBuilder([1, 2])
+        builder.add_sampled([100 + settings.attempt], [-0.5], 0)
+        meta = TrajectoryMeta(
+            run_id=settings.run_id,
+            episode_id=settings.episode_id,
+            attempt=settings.attempt,
+            task_id=task.id,
+            stop_reason="stop",
+        )
+        trajectory = builder.build(meta)
+        trajectory.reward = 1.0
+        return trajectory
+
+    monkeypatch.setattr(local, "run_episode", run_episode)
+    return ran
+
+
+def _runner(data: Rows, tmp_path: Path) -> EpisodeRunner:
+    config = RunConfig(
+        model="tiny",
+        run_id="r",
+        run_dir=str(tmp_path),
+        tasks_per_step=2,
+        rollout=RolloutConfig(
+            tasks="unused.jsonl",
+            agent="unused.py:agent",
+            samples_per_task=2,
+            output=str(tmp_path / "trajectories"),
+        ),
+    )
+    tasks = [Task(id=f"t{i}", prompt=f"task {i}") for i in range(2)]
+    return EpisodeRunner(
+        config,
+        tasks=tasks,
+        agent=None,  # type: ignore[arg-type]
+        rewards=[],
+        chat=None,  # type: ignore[arg-type]
+        engine=None,  # type: ignore[arg-type]
+        sandboxes=None,  # type: ignore[arg-type]
+        data=data,  # type: ignore[arg-type]
+        store=None,
+    )
+
+
+def test_a_rerun_keeps_the_row_its_first_attempt_wrote(
+    tmp_path: Path, episodes: list[EpisodeSettings]
+) -> None:
+    data = Rows()
+    runner = _runner(data, tmp_path)
+    first = asyncio.run(runner.run(1, 3))
+    assert data.asked == []  # a first attempt asks for nothing
+    [row] = data.rows.values()
+    # The reply was lost: the episode is asked for again, as attempt 1.
+    again = asyncio.run(runner.run(1, 3, attempt=1))
+    assert data.asked == [row.id]
+    assert [s.attempt for s in episodes] == [0]  # not run again
+    assert again == first
+    assert data.rows == {row.id: row}
+    assert row.input_ids[-1] == 100
+
+
+def test_a_rerun_whose_first_attempt_wrote_nothing_runs_as_its_attempt(
+    tmp_path: Path, episodes: list[EpisodeSettings]
+) -> None:
+    data = Rows()
+    runner = _runner(data, tmp_path)
+    asyncio.run(runner.run(0, 2, attempt=1))
+    [settings] = episodes
+    [row] = data.rows.values()
+    assert (settings.attempt, settings.episode_id) == (1, "step0/t1/0")
+    assert data.asked == [row.id]
+    assert row.meta.attempt == 1
+    assert row.input_ids[-1] == 101
+    lines = (tmp_path / "trajectories" / "step_0.jsonl").read_text().splitlines()
+    assert len(lines) == 1
