@@ -28,7 +28,13 @@ Prints ONE JSON line:
   one's), `sync_seconds` (mean publish time per step in each mode);
 - stage times, per-run wall times and CPU seconds, the load average, thread settings.
 
-    .venv/bin/python bench/async_speedup.py [--quick] [--steps N] [--mode services|in_process]
+    .venv/bin/python bench/async_speedup.py [--quick] [--steps N]
+        [--mode services|in_process|both]
+
+`--mode both` runs both modes in one invocation, interleaved (both synchronous runs, then both
+asynchronous ones; no drained run), and prints `speedup_services`, `speedup_in_process`,
+`services_over_in_process` (their ratio) and each mode's keys above under `services` and
+`in_process`.
 
 With the roles as services (the default), the CPU seconds count this process and its children
 only: the replicas are Ray's workers, not children of this process.
@@ -145,41 +151,14 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="8 steps per run (< 5 minutes)")
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 30)")
-    parser.add_argument(
-        "--mode",
-        choices=("services", "in_process"),
-        default="services",
-        help="the roles as Ray Serve deployments (the default of omniloop run) or in process",
-    )
-    parser.add_argument(
-        "--no-drain",
-        dest="drain",
-        action="store_false",
-        help="skip the third run (max_staleness=2 with drained weight updates)",
-    )
-    args = parser.parse_args()
-    steps = args.steps or (8 if args.quick else 30)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-    import torch
-    from warm_start import warm_start
-
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
-        root = Path(scratch)
-        started = time.perf_counter()
-        model = warm_start(root / "model")
-        warm_s = time.perf_counter() - started
-        sync = train_once(model, root / "sync", 0, steps, args.mode)
-        async_ = train_once(model, root / "async", 2, steps, args.mode)
-        drained = (
-            train_once(model, root / "drain", 2, steps, args.mode, "drain") if args.drain else None
-        )
-
+def summary(
+    mode: str,
+    steps: int,
+    sync: dict[str, Any],
+    async_: dict[str, Any],
+    drained: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """What one mode's runs measured (the keys of the module docstring)."""
     sm = sync["metrics"]
     rollout = mean([m["perf/rollout_seconds"] for m in sm])
     # The trainer's stage in a synchronous step: everything that is not rollout.
@@ -192,9 +171,8 @@ def main() -> None:
     noise = 2 * math.sqrt(
         (final_sync * (1 - final_sync) + final_async * (1 - final_async)) / samples
     )
-    result = {
-        "bench": "async_speedup",
-        "mode": args.mode,
+    return {
+        "mode": mode,
         "steps": steps,
         "speedup": round(speedup, 3),
         "limit": round(limit, 3),
@@ -225,14 +203,84 @@ def main() -> None:
             else {}
         ),
         "startup_s": round(sync["startup_s"] + async_["startup_s"], 1),
-        "warm_start_s": round(warm_s, 1),
         "episodes_per_step": sm[0]["episodes/count"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="8 steps per run (< 5 minutes)")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 30)")
+    parser.add_argument(
+        "--mode",
+        choices=("services", "in_process", "both"),
+        default="services",
+        help="the roles as Ray Serve deployments (the default of omniloop run), in process, or "
+        "both side by side (their runs interleaved; no drained run)",
+    )
+    parser.add_argument(
+        "--no-drain",
+        dest="drain",
+        action="store_false",
+        help="skip the third run (max_staleness=2 with drained weight updates)",
+    )
+    args = parser.parse_args()
+    steps = args.steps or (8 if args.quick else 30)
+    modes = ["in_process", "services"] if args.mode == "both" else [args.mode]
+    drain = args.drain and args.mode != "both"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import torch
+    from warm_start import warm_start
+
+    torch.set_num_threads(1)
+    runs: dict[str, dict[str, Any]] = {mode: {} for mode in modes}
+    with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
+        root = Path(scratch)
+        started = time.perf_counter()
+        model = warm_start(root / "model")
+        warm_s = time.perf_counter() - started
+        # Both modes' synchronous runs, then both asynchronous ones: a drift of the machine's
+        # load between the first run and the last weighs on both modes alike.
+        for kind, staleness in (("sync", 0), ("async", 2)):
+            for mode in modes:
+                run_dir = root / f"{kind}-{mode}"
+                runs[mode][kind] = train_once(model, run_dir, staleness, steps, mode)
+        if drain:
+            runs[args.mode]["drain"] = train_once(
+                model, root / "drain", 2, steps, args.mode, "drain"
+            )
+
+    measured = {
+        mode: summary(mode, steps, got["sync"], got["async"], got.get("drain"))
+        for mode, got in runs.items()
+    }
+    machine = {
+        "warm_start_s": round(warm_s, 1),
         "tool_wait": f"pareto(shape={PARETO_SHAPE}, scale={PARETO_SCALE_S}s, cap={PARETO_CAP_S}s)",
         "threads": {"engine": 1, "trainer": 1},
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
     }
-    print(json.dumps(result))
+    if args.mode != "both":
+        print(json.dumps({"bench": "async_speedup", **measured[args.mode], **machine}))
+        return
+    services, in_process = measured["services"], measured["in_process"]
+    print(
+        json.dumps(
+            {
+                "bench": "async_speedup",
+                "mode": "both",
+                "steps": steps,
+                "speedup_services": services["speedup"],
+                "speedup_in_process": in_process["speedup"],
+                "services_over_in_process": round(services["speedup"] / in_process["speedup"], 3),
+                "services": services,
+                "in_process": in_process,
+                **machine,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":
