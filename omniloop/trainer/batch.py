@@ -26,7 +26,7 @@ from torch import Tensor
 from omniloop.trainer.advantages import group_advantages, rloo_advantages
 from omniloop.trainer.config import AdvantageConfig
 from omniloop.trainer.data_parallel import shard_rows
-from omniloop.trainer.packing import Units
+from omniloop.trainer.packing import Units, row_costs
 from omniloop.trajectory import INFRA_STOP_REASONS, Trajectory
 
 Values = float | Sequence[float] | Tensor
@@ -334,6 +334,25 @@ class TrainBatch:
             self.select(slice(start, start + micro_batch_size))
             for start in range(0, len(self), micro_batch_size)
         ]
+
+    def split_tokens(self, budget: int, min_shared: int = 0) -> list[TrainBatch]:
+        """Consecutive micro-batches, each of as many rows as hold at most `budget` tokens
+        (`packing.row_costs`: an opening of `min_shared` or more tokens shared with the row
+        before counted once; 0: rows whole), each trimmed. A row longer than `budget` is a
+        micro-batch of its own."""
+        if budget <= 0:
+            raise ValueError(f"a micro-batch token budget must be positive, got {budget}")
+        parts: list[list[int]] = []
+        held = 0
+        for row, cost in enumerate(row_costs(self.input_ids, self.attention_mask, min_shared)):
+            if not parts or held + cost > budget:
+                parts.append([])
+                # A row that starts a micro-batch holds its opening itself.
+                cost = int(self.attention_mask[row].sum())
+                held = 0
+            parts[-1].append(row)
+            held += cost
+        return [self.select(rows) for rows in parts]
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """The batch with every tensor on `device`, media inputs included."""

@@ -177,6 +177,20 @@ def pack_rows(input_ids: Tensor, attention_mask: Tensor, *, min_shared: int = 0)
     return packing
 
 
+def row_costs(input_ids: Tensor, attention_mask: Tensor, min_shared: int = 0) -> list[int]:
+    """Per row of a right-padded batch, its tokens after the opening it shares with the row
+    before it when that opening is `min_shared` or more tokens (0: every row's tokens whole).
+    Over consecutive rows in token order (`token_order`), their sum is the distinct tokens those
+    rows hold packed (`Units`; a unit that would pass `UNIT_WIDTHS` widths shares less); in
+    another order it is at least that."""
+    tokens = _row_tokens(input_ids, attention_mask)
+    costs = []
+    for before, row in zip([None, *tokens], tokens, strict=False):
+        common = _common_length(before, row) if before is not None else 0
+        costs.append(len(row) - (common if 0 < min_shared <= common else 0))
+    return costs
+
+
 def token_order(input_ids: Tensor, attention_mask: Tensor) -> list[int]:
     """The rows of a right-padded batch in the order of their tokens (rows that open alike side
     by side; ties by row)."""

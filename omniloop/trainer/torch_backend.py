@@ -254,11 +254,20 @@ class SelectiveHead(Protocol):
 
 class Scorer:
     """Forward passes under a trainer config: autocast per `dtype`, logprobs scored in
-    micro-batches of `micro_batch_size` (the policy's and the reference's alike)."""
+    micro-batches (`micro_batches`; the policy's and the reference's alike)."""
 
     def __init__(self, config: TrainerConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+
+    def micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        """`batch` cut into consecutive micro-batches: of `micro_batch_tokens` tokens when set,
+        else of `micro_batch_size` rows."""
+        cfg = self.config
+        if cfg.micro_batch_tokens is None:
+            return batch.split(cfg.micro_batch_size)
+        shared = cfg.shared_prefix_min_tokens if cfg.pack_sequences else 0
+        return batch.split_tokens(cfg.micro_batch_tokens, shared)
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.config.dtype == "bf16":
@@ -365,7 +374,7 @@ class Scorer:
         try:
             out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
             start = 0
-            for mb in batch.split(self.config.micro_batch_size):
+            for mb in self.micro_batches(batch):
                 mb = mb.to(self.device)
                 logits = self.logits(model, mb)
                 lp = shifted_logprobs(
@@ -628,7 +637,7 @@ class TorchTrainerBackend:
             # Rows that open alike side by side, so that they share the opening in a micro-batch
             # (`trainer/packing.py`); the step's gradient does not depend on the rows' order.
             batch = batch.select(token_order(batch.input_ids, batch.attention_mask))
-        for mb in batch.split(cfg.micro_batch_size):
+        for mb in self.scorer.micro_batches(batch):
             mb = mb.to(self.device)
             if (mb.loss_mask != 0).sum() == 0:
                 continue

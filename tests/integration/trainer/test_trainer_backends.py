@@ -154,10 +154,14 @@ def test_micro_batching_gives_the_full_batch_gradient(
 ) -> None:
     batch = make_batch([10, 19, 7, 14], advantages=[1.0, -0.5, 2.0, -1.5], seed=5)
     results = []
-    for micro in (4, 2, 1):
-        b = backend(
-            micro_batch_size=micro, grad_clip=None, loss={"aggregation": aggregation}, lr=1e-3
-        )
+    cuts: list[dict[str, int]] = [
+        {"micro_batch_size": 4},
+        {"micro_batch_size": 2},
+        {"micro_batch_size": 1},
+        {"micro_batch_tokens": 30},
+    ]
+    for cut in cuts:
+        b = backend(**cut, grad_clip=None, loss={"aggregation": aggregation}, lr=1e-3)
         metrics = b.train_step(batch)
         results.append((metrics, grads(b)))
     full_metrics, full_grads = results[0]
@@ -167,6 +171,28 @@ def test_micro_batching_gives_the_full_batch_gradient(
         assert_same_tensors(full_grads, g, atol=3e-5, rtol=1e-4)
         assert metrics["actor/loss"] == pytest.approx(full_metrics["actor/loss"], abs=1e-6)
         assert metrics["actor/entropy"] == pytest.approx(full_metrics["actor/entropy"], rel=1e-5)
+
+
+def test_a_token_budget_cuts_a_step_into_passes_of_at_most_that_many_tokens(
+    backend: BackendFactory, make_batch
+) -> None:
+    """`trainer.micro_batch_tokens`: the logprobs and the step run in passes of at most 30
+    tokens each (rows of 3 to 25 tokens, 78 in all), every token in exactly one pass, fewer
+    passes than rows; the logprobs are those of one row per pass."""
+    lengths = [10, 19, 7, 14, 25, 3]
+    batch = make_batch(lengths, seed=7)
+    b = backend(micro_batch_tokens=30)
+    seen = embedded_tokens(b)
+    logprobs = b.logprobs(batch)
+    scored, seen[:] = list(seen), []
+    b.train_step(batch)
+    for passes in (scored, seen):
+        assert max(passes) <= 30
+        assert sum(passes) == sum(lengths)
+        assert 3 <= len(passes) < len(lengths)
+    torch.testing.assert_close(
+        logprobs, backend(micro_batch_size=1).logprobs(batch), atol=1e-5, rtol=0
+    )
 
 
 def test_train_step_raises_probability_of_positive_advantage_tokens(

@@ -99,6 +99,42 @@ def test_split_trims_each_micro_batch_to_its_longest_row() -> None:
     assert parts[1].ids == (batch.ids[2],)
 
 
+def test_split_tokens_fills_each_micro_batch_up_to_the_budget() -> None:
+    """Two groups of three samples of a 20-token prompt, in token order, each sample 20 + 2
+    tokens. Counted with the prompt held once, a group is 26 tokens: a budget of 30 takes one
+    group per micro-batch, one of 60 both; counted whole (no sharing) 22 each, so 30 takes one
+    row. A row over the budget is a micro-batch of its own, and every row lands exactly once,
+    in order."""
+    trajs = [
+        make_traj(
+            f"{group}-{sample}",
+            prompt=[100 * group + i for i in range(1, 21)],
+            turns=[([7 + sample, 8], [-1.0] * 2, 0, [])],
+            group=str(group),
+        )
+        for group in range(2)
+        for sample in range(3)
+    ]
+    batch = TrainBatch.from_trajectories(trajs, [1.0] * 6)
+
+    def cut(budget: int, min_shared: int) -> list[list[str]]:
+        return [list(part.ids) for part in batch.split_tokens(budget, min_shared)]
+
+    ids = list(batch.ids)
+    assert cut(30, 16) == [ids[:3], ids[3:]]
+    assert cut(60, 16) == [ids]
+    assert cut(30, 0) == [[i] for i in ids]
+    assert cut(50, 0) == [ids[0:2], ids[2:4], ids[4:6]]
+    # 22 + 2 fit 25, a third sample does not; it starts the next micro-batch, where it holds
+    # the prompt itself (22), so the next group's first row (22) does not fit beside it.
+    assert cut(25, 16) == [ids[0:2], [ids[2]], ids[3:5], [ids[5]]]
+    assert cut(10, 16) == [[i] for i in ids]
+    parts = batch.split_tokens(30, 16)
+    assert [tuple(p.input_ids.shape) for p in parts] == [(3, 22), (3, 22)]
+    with pytest.raises(ValueError, match="budget must be positive, got 0"):
+        batch.split_tokens(0)
+
+
 def test_shards_keep_rows_sharing_an_opening_together() -> None:
     """Three groups of four samples of one 20-token prompt, in mixed order: with sharing each
     group goes to one rank whole (its rank's packed step holds the prompt once), the ranks
