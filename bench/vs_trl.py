@@ -78,6 +78,9 @@ PSS_EVERY = 4
 TASKS_PER_STEP = 8
 SAMPLES_PER_TASK = 4
 MICRO_BATCH = 4  # the example's `trainer.micro_batch_size`
+EVAL_TASKS = 32
+"""Tasks after the trained ones that each side's final weights are evaluated on, each sampled
+`SAMPLES_PER_TASK` times (`--eval-tasks`)."""
 
 # The calculator example's episode, copied here because the TRL side runs in a venv without
 # omniloop (checked against `examples/calculator/agent.py` and `train_agent.py` at start-up).
@@ -281,7 +284,13 @@ def trl_venv(trl_version: str, torch_index: str | None) -> Path:
 
 
 def run_trl(
-    python: Path, steps: int, max_new_tokens: int, model: Path, seed: int, work: Path
+    python: Path,
+    steps: int,
+    max_new_tokens: int,
+    model: Path,
+    seed: int,
+    eval_tasks: int,
+    work: Path,
 ) -> dict[str, Any]:
     """Run this file as `--trl-child` in the TRL venv; read its result file."""
     result_path = work / "trl-result.json"
@@ -293,6 +302,7 @@ def run_trl(
         f"--max-new-tokens={max_new_tokens}",
         f"--model={model}",
         f"--seed={seed}",
+        f"--eval-tasks={eval_tasks}",
         f"--out={result_path}",
     ]
     env = {
@@ -335,6 +345,63 @@ def run_trl(
     return result
 
 
+def final_weights(run_dir: Path, out: Path) -> Path:
+    """A Hugging Face folder of the run's newest checkpoint (the weights after its last step):
+    the base model's files with the checkpoint's tensors loaded (tied embeddings included)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from omniloop.inference.models import resolve_model
+
+    base = resolve_model("smollm2")
+    newest = max((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(
+        load_file(newest / "model.safetensors"), strict=False
+    )
+    # A tied output layer is saved once, under either name.
+    if unexpected or set(missing) - {"lm_head.weight", "model.embed_tokens.weight"}:
+        raise SystemExit(f"{newest}: not SmolLM2's weights ({missing=}, {unexpected=})")
+    model.save_pretrained(out)
+    for name in base.iterdir():
+        if name.suffix != ".safetensors" and not (out / name.name).exists():
+            shutil.copy(name, out / name.name)
+    return out
+
+
+def evaluate_ours(run_dir: Path, tasks: Path, max_new_tokens: int, work: Path) -> dict[str, Any]:
+    """The run's final weights on the evaluation tasks: `omniloop rollout` with the example's
+    episode, sandbox and sampling, `SAMPLES_PER_TASK` samples of each task."""
+    import yaml
+
+    folder = final_weights(run_dir, work / f"{run_dir.name}-final")
+    rollout = yaml.safe_load((EXAMPLE / "train.yaml").read_text())["rollout"]
+    rollout.update(
+        tasks=str(tasks),
+        num_tasks=None,
+        agent=str(EXAMPLE / rollout["agent"]),
+        rewards=[str(EXAMPLE / r) for r in rollout["rewards"]],
+        samples_per_task=SAMPLES_PER_TASK,
+        output=str(work / f"{run_dir.name}-eval.jsonl"),
+    )
+    rollout["engine"]["model"] = str(folder)
+    rollout["sampling"]["max_new_tokens"] = max_new_tokens
+    config = work / f"{run_dir.name}-eval.yaml"
+    config.write_text(yaml.safe_dump(rollout))
+    command = [str(ROOT / ".venv" / "bin" / "omniloop"), "rollout", str(config)]
+    log(f"ours: evaluating the final weights of {run_dir.name} on {tasks.name}")
+    with (work / f"{run_dir.name}-eval.log").open("w") as out:
+        done = subprocess.run(command, cwd=ROOT, stdout=out, stderr=out, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"the evaluation failed:\n{_tail(Path(out.name))}")
+    episodes = _read_jsonl(Path(rollout["output"]))
+    scored = [e["reward"] for e in episodes if e["reward"] is not None]
+    return {"eval_reward": statistics.fmean(scored), "eval_episodes": len(scored)}
+
+
 # --- TRL: the child, run inside the TRL venv -------------------------------------------------
 
 
@@ -354,8 +421,10 @@ def trl_child(args: argparse.Namespace) -> None:
 
     started = time.monotonic()
     tasks = [json.loads(line) for line in (EXAMPLE / "tasks.jsonl").read_text().splitlines()]
-    tasks = tasks[: args.steps * TASKS_PER_STEP]
-    by_prompt = {task["prompt"]: task for task in tasks}
+    trained = args.steps * TASKS_PER_STEP
+    held_out = tasks[trained : trained + args.eval_tasks]
+    tasks = tasks[:trained]
+    by_prompt = {task["prompt"]: task for task in [*tasks, *held_out]}
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -435,7 +504,12 @@ def trl_child(args: argparse.Namespace) -> None:
         """The example's two-turn episode for each prompt, `num_generations` times."""
         began = time.monotonic()
         repeat = 1 if len(prompts) == trainer.args.generation_batch_size else SAMPLES_PER_TASK
-        prompts = [p for p in prompts for _ in range(repeat)]
+        out = episodes([p for p in prompts for _ in range(repeat)], trainer)
+        rollout_seconds.append(time.monotonic() - began)
+        return out
+
+    def episodes(prompts: list[str], trainer: Any) -> dict[str, Any]:
+        """The example's two-turn episode for each prompt."""
         opening = [
             render([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": p}])
             for p in prompts
@@ -478,7 +552,6 @@ def trl_child(args: argparse.Namespace) -> None:
                 masks[i] += [1] * len(turn)
                 responses[i] = ANSWER_PREFILL + decode(turn)
         limit = trainer.max_completion_length
-        rollout_seconds.append(time.monotonic() - began)
         return {
             "prompt_ids": prompt_ids,
             "completion_ids": [c[:limit] for c in completions],
@@ -562,6 +635,15 @@ def trl_child(args: argparse.Namespace) -> None:
     setup = time.monotonic() - started
     trainer.train()
     step_seconds = [b - a for a, b in itertools.pairwise(ends)]
+    # The final weights on the held-out tasks, sampled as in training.
+    eval_reward = None
+    if held_out:
+        log(f"TRL: evaluating the final weights on {len(held_out)} held-out tasks")
+        prompts = [t["prompt"] for t in held_out for _ in range(SAMPLES_PER_TASK)]
+        responses = episodes(prompts, trainer)["response"]
+        eval_reward = statistics.fmean(
+            exact_answer(by_prompt[p]["answer"], r) for p, r in zip(prompts, responses, strict=True)
+        )
     result = {
         "trl_version": trl.__version__,
         "transformers_version": transformers.__version__,
@@ -571,6 +653,8 @@ def trl_child(args: argparse.Namespace) -> None:
         "rollout_seconds": rollout_seconds,
         "setup_s": setup,
         "cpu_s": time.process_time(),
+        "eval_reward": eval_reward,
+        "eval_episodes": len(held_out) * SAMPLES_PER_TASK,
     }
     Path(args.out).write_text(json.dumps(result))
 
@@ -592,6 +676,12 @@ def main() -> None:
     parser.add_argument("--trl-version", default=TRL_VERSION)
     parser.add_argument("--torch-index", default=None, help="extra index for the torch wheel")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--eval-tasks",
+        type=int,
+        default=EVAL_TASKS,
+        help="held-out tasks each side's final weights are evaluated on (0: none)",
+    )
     parser.add_argument("--skip-ours", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -612,11 +702,21 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         work = Path(tmp)
+        held_out = work / "eval-tasks.jsonl"
+        trained = args.steps * TASKS_PER_STEP
+        lines = (EXAMPLE / "tasks.jsonl").read_text().splitlines()
+        held_out.write_text("".join(f"{t}\n" for t in lines[trained : trained + args.eval_tasks]))
         if not args.skip_ours:
             runs["ours"] = run_ours(args.steps, args.staleness, args.max_new_tokens, work)
             if args.on_policy and args.staleness != 0:
                 runs["ours_on_policy"] = run_ours(args.steps, 0, args.max_new_tokens, work)
-        runs["trl"] = run_trl(python, args.steps, args.max_new_tokens, model, args.seed, work)
+            if args.eval_tasks:
+                for name in [n for n in runs if n.startswith("ours")]:
+                    run_dir = work / f"ours-staleness{args.staleness if name == 'ours' else 0}"
+                    runs[name].update(evaluate_ours(run_dir, held_out, args.max_new_tokens, work))
+        runs["trl"] = run_trl(
+            python, args.steps, args.max_new_tokens, model, args.seed, args.eval_tasks, work
+        )
     gb = 1024**3
     per_hour = {name: 3600 / steady_seconds(run["step_seconds"]) for name, run in runs.items()}
     result: dict[str, Any] = {"bench": "vs_trl"}
@@ -624,6 +724,8 @@ def main() -> None:
         result[f"{name}_steps_per_hour"] = round(per_hour[name], 1)
         result[f"{name}_reward"] = round(run["rewards"][-1], 3)
         result[f"{name}_peak_gb"] = round(run["peak_rss"] / gb, 2)
+        if run.get("eval_reward") is not None:
+            result[f"{name}_eval_reward"] = round(run["eval_reward"], 3)
     if "ours" in runs:
         ours, trl = runs["ours"], runs["trl"]
         result.update(
@@ -652,6 +754,7 @@ def main() -> None:
             result[f"{name}_faults"] = run["faults"]
     result.update(
         steps=args.steps,
+        eval_episodes=args.eval_tasks * SAMPLES_PER_TASK,
         warmup_steps_excluded=WARMUP_STEPS,
         max_new_tokens_per_turn=args.max_new_tokens,
         trl_version=runs["trl"]["trl_version"],

@@ -22,6 +22,9 @@ KLType = Literal["k1", "k2", "k3"]
 PolicyLoss = Literal["ppo", "gspo", "cispo", "sapo"]
 """The policy-gradient surrogate; see the `*_policy_loss` functions in `losses.py`."""
 
+OldPolicy = Literal["trainer", "engine"]
+"""Whose logprobs are PPO's pi_old in a run (`LossConfig.old_policy`)."""
+
 
 class LossConfig(StrictModel):
     """The training objective: policy surrogate + KL penalty - entropy bonus."""
@@ -52,6 +55,18 @@ class LossConfig(StrictModel):
     """Truncated importance sampling: each token's policy loss is multiplied by
     `min(exp(old - rollout), tis_cap)` (detached), correcting for the engine's logprobs differing
     from the trainer's. None disables it; typical: 2."""
+    old_policy: OldPolicy = "engine"
+    """PPO's pi_old in a run, the policy the ratio and its clip are taken against. `engine`:
+    the logprobs the engine sampled with (PPO over the behaviour policy): the clip bounds the
+    distance from the sampling weights, which corrects for samples of older weights, but a
+    token whose probability an earlier step already moved past the clip gives no gradient; the
+    `tis_cap` weight is then 1 (its ratio is pi_old over the same logprobs). `trainer`: the
+    trainer's own policy as the optimizer step begins (its logprobs come from the step's own
+    forward, detached: no extra pass), so the clip bounds only this step's move, and the
+    weights that sampled a token are corrected for by `tis_cap`'s `min(pi_trainer /
+    pi_engine, cap)`: AReaL's decoupled PPO, whose proximal policy this is. On-policy the two
+    differ by the engine's numerics alone. Trainer calls outside a run take `old_logprobs` from
+    the batch (`train_step`)."""
     sapo_tau_pos: float = Field(default=1.0, gt=0)
     """SAPO gate temperature for tokens with a positive advantage."""
     sapo_tau_neg: float = Field(default=1.05, gt=0)
@@ -168,6 +183,16 @@ class TrainerConfig(StrictModel):
     micro_batch_size: int = Field(default=4, gt=0)
     """Sequences per forward/backward pass; gradients accumulate over the micro-batches of one
     `train_step`, which makes one optimizer step."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Cut a step's rows into micro-batches by tokens instead of by `micro_batch_size` rows
+    (veRL's dynamic batch size, slime's `--max-tokens-per-gpu`): consecutive rows, in the
+    step's order (token order when `pack_sequences` shares openings), as many as hold at most
+    this many tokens, an opening shared with the row before counted once where
+    `pack_sequences` shares it; a longer row is a micro-batch of its own. A pass then carries
+    about the same work whatever the rows' lengths and sharing: fewer passes over short rows
+    or rows that share most of their tokens, none too large over long ones. The step's
+    gradient does not depend on the cut. Logprobs (and the reference's) are scored in the same
+    micro-batches; the critic keeps `micro_batch_size`. None: `micro_batch_size` rows each."""
     pack_sequences: bool = True
     """Run each micro-batch's rows packed into as few rows as fit (first-fit decreasing), each
     token attending only to the earlier tokens of its own row (`trainer/packing.py`): a short

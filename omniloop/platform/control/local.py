@@ -60,7 +60,7 @@ from omniloop.rewards import RewardFn
 from omniloop.trainer.advantages import row_gae, with_teacher
 from omniloop.trainer.backend import Supervised, TrainerBackend
 from omniloop.trainer.batch import TrainBatch, TrainRow, estimate
-from omniloop.trainer.config import AdvantageConfig, CriticConfig, TeacherConfig
+from omniloop.trainer.config import AdvantageConfig, CriticConfig, OldPolicy, TeacherConfig
 from omniloop.trainer.reference import ReferencePolicy
 from omniloop.trajectory import INFRA_STOP_REASONS, trajectory_id
 
@@ -617,12 +617,16 @@ def row_media(batch: MicroBatch, media: MediaResolver | None) -> list[Any]:
 
 
 def train_rows(
-    batch: MicroBatch, media: MediaResolver | None = None, teacher: TeacherConfig | None = None
+    batch: MicroBatch,
+    media: MediaResolver | None = None,
+    teacher: TeacherConfig | None = None,
+    old_policy: OldPolicy = "engine",
 ) -> list[TrainRow]:
-    """The rows of a micro-batch read with `train_fields`, typed; PPO's pi_old is the policy
-    that sampled each row (its rollout logprobs). Media inputs come from `media` (see
-    `row_media`). With a `teacher`, each row's advantages gain the teacher's per-token signal
-    against the sampling logprobs (`advantages.with_teacher`)."""
+    """The rows of a micro-batch read with `train_fields`, typed. PPO's pi_old is the policy
+    that sampled each row (its rollout logprobs) or, with `old_policy="trainer"`, the trainer's
+    policy as its step begins (rows without `old_logprobs`; `LossConfig.old_policy`). Media inputs
+    come from `media` (see `row_media`). With a `teacher`, each row's advantages gain the
+    teacher's per-token signal against the sampling logprobs (`advantages.with_teacher`)."""
     inputs = row_media(batch, media)
 
     def advantages(i: int) -> torch.Tensor:
@@ -646,7 +650,7 @@ def train_rows(
             weight_version=batch["weight_version"][i],
             advantages=advantages(i),
             stop_reason=str(batch["meta"][i]["stop_reason"]),
-            old_logprobs=batch["rollout_logprobs"][i],
+            old_logprobs=batch["rollout_logprobs"][i] if old_policy == "engine" else None,
             ref_logprobs=batch["ref_logprobs"][i] if "ref_logprobs" in batch.fields else None,
             media_inputs=inputs[i],
         )
@@ -691,6 +695,7 @@ class LocalActor:
         self._compute = TorchThread(config.trainer_threads, "trainer", config.trainer_nice)
         self._fields = train_fields(config)
         self._teacher = config.trainer.teacher
+        self._old_policy = config.trainer.loss.old_policy
 
     def close(self) -> None:
         """Let the trainer's thread end (after the work it has)."""
@@ -719,7 +724,9 @@ class LocalActor:
         )
         async with closing_stream(stream) as batches:
             async for batch in batches:
-                rows = await asyncio.to_thread(train_rows, batch, self._media, self._teacher)
+                rows = await asyncio.to_thread(
+                    train_rows, batch, self._media, self._teacher, self._old_policy
+                )
                 uniform = batch["dropped"] if "dropped" in batch.fields else [0] * len(rows)
                 for row, drop in zip(rows, uniform, strict=True):
                     if drop:  # its group has nothing to learn from (dynamic sampling)
@@ -736,11 +743,10 @@ class LocalActor:
         waited = time.perf_counter() - started
         metrics: dict[str, float] = {}
         if kept:
-            # PPO's pi_old is the policy that sampled the data: the engine's logprobs (see
-            # `train_rows`). With stale samples the ratio to the current policy is then real
-            # and the clip bounds how far one step moves on them (with the backend's default,
-            # the current policy's own logprobs, stale samples would be trained as if
-            # on-policy, unclipped).
+            # PPO's pi_old (`loss.old_policy`, `train_rows`): the engine's logprobs, or, rows
+            # without `old_logprobs`, the trainer's policy as the step begins (the backend's
+            # default, from the step's own forward), samples of older weights then weighed by
+            # min(pi_trainer / pi_engine, tis_cap).
             batch_ = TrainBatch.from_rows(kept)
             async with self._lock:
                 raw = await self._compute.run(self._backend.train_step, batch_)

@@ -221,9 +221,10 @@ class RunConfig(StrictModel):
     max_staleness: MaxStaleness = 1
     """How many optimizer steps the weights that sampled a trained token may lag behind the
     trainer: 0 is on-policy (rollout and training alternate), `k` lets rollouts run up to `k`
-    steps ahead of training, `inf` is fully asynchronous. Above 0, the trainer corrects for
-    samples of older weights by truncated importance sampling (`trainer.loss.tis_cap`, 2 unless
-    set; `null` turns it off)."""
+    steps ahead of training, `inf` is fully asynchronous. Above 0, samples of older weights are
+    corrected for by PPO's ratio against the engine's logprobs (`trainer.loss.old_policy:
+    engine`, the default) or, with `old_policy: trainer`, by truncated importance sampling
+    (`trainer.loss.tis_cap`, 2 unless set; `null` turns it off)."""
     stop_when: StopWhen | None = None
     """End the run before `steps` once a metric has reached a target (`stop_when.at_least=0.9`
     stops when the mean reward of the last 3 steps is 0.9 or more); None runs every step."""
@@ -279,9 +280,11 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _correct_stale_samples(self) -> RunConfig:
         # Tokens sampled by weights up to `max_staleness` steps old are trained by the current
-        # policy: their loss is weighted by min(pi_trainer / pi_sampler, cap), the truncated
-        # importance sampling that also absorbs engine/trainer numeric mismatch. A cap keeps
-        # the variance bounded; 2 is the value the TIS write-up and slime use.
+        # policy: with `loss.old_policy: trainer` their loss is weighted by min(pi_trainer /
+        # pi_sampler, cap), the truncated importance sampling that also absorbs engine/trainer
+        # numeric mismatch (with `engine` the weight is 1: PPO's ratio is already against the
+        # sampler). A cap keeps the variance bounded; 2 is the value the TIS write-up and slime
+        # use.
         loss = self.trainer.loss
         if self.max_staleness != 0 and "tis_cap" not in loss.model_fields_set:
             corrected = loss.model_copy(update={"tis_cap": STALE_TIS_CAP})
