@@ -27,7 +27,10 @@ process.
 Measured per side: steps per hour from the seconds per optimizer step after the first
 `WARMUP_STEPS` (ours: the run's `perf/step_seconds`; TRL: the time between the ends of
 consecutive optimizer steps, generation included), the mean reward of the last step (32
-episodes; per-step rewards are reported too), and the peak of the summed RSS of the side's
+episodes; per-step rewards are reported too), the reward of its final weights on held-out
+tasks (`--eval-tasks`, the 32 tasks of the file after the trained ones, each sampled 4 times as
+in training: ours with `omniloop rollout` on the run's last checkpoint, TRL with its episode
+function on the trained model), and the peak of the summed RSS of the side's
 whole process tree (the launched process and all its descendants: for ours the driver, Ray's
 daemons, every Serve replica, the engine and the sandboxes; for TRL the one Python process and
 its tool subprocesses), sampled every `SAMPLE_S` seconds. RSS counts a page shared by several
@@ -36,14 +39,18 @@ together; the sum of the proportional set sizes (PSS, each shared page split bet
 is reported beside it.
 
 Prints ONE JSON line: `ours_steps_per_hour`, `trl_steps_per_hour`, `speedup` (ours / TRL),
-`ours_reward`, `trl_reward`, `ours_peak_gb`, `trl_peak_gb`, `memory_ratio` (ours / TRL), the same
-with `_pss_`, the `ours_on_policy_*` counterparts, per-step seconds, rollout seconds and rewards
+`ours_reward`, `trl_reward`, `ours_eval_reward`, `trl_eval_reward`, `ours_peak_gb`,
+`trl_peak_gb`, `memory_ratio` (ours / TRL), the same with `_pss_`, the `ours_on_policy_*`
+counterparts, `eval_episodes`, per-step seconds, rollout seconds and rewards
 of each side, wall times, `steps`, `trl_version`, `cpus`, `load_avg_1m`. Progress goes to
 stderr. The targets (≥ 4× TRL's steps per hour, a reward at least TRL's after the same steps,
 ≤ half its peak memory) are judged by the reader, not asserted: the result is printed either way.
+A step's reward is that of the weights that sampled it, which at `max_staleness=1` are one step
+older than on-policy; the held-out reward compares the weights each side ends with.
 
     .venv/bin/python bench/vs_trl.py [--steps 4] [--staleness 1] [--no-on-policy]
-                                     [--trl-version 1.16.0] [--torch-index URL]
+                                     [--eval-tasks 32] [--trl-version 1.16.0]
+                                     [--torch-index URL]
 
 About 16 minutes with the default 4 steps on 2 cores. The first invocation also installs the
 TRL venv (~40 s with the torch wheel on disk: torch resolves through pip's own configuration;
