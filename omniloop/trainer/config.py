@@ -192,7 +192,9 @@ class TrainerConfig(StrictModel):
     about the same work whatever the rows' lengths and sharing: fewer passes over short rows
     or rows that share most of their tokens, none too large over long ones. The step's
     gradient does not depend on the cut. Logprobs (and the reference's) are scored in the same
-    micro-batches; the critic keeps `micro_batch_size`. None: `micro_batch_size` rows each."""
+    micro-batches; the critic keeps `micro_batch_size`. None: `micro_batch_size` rows each.
+    (On the calculator example's steps, whose rows all open with one system prompt, no budget
+    was faster than 4 rows: docs/benchmarks.md.)"""
     pack_sequences: bool = True
     """Run each micro-batch's rows packed into as few rows as fit (first-fit decreasing), each
     token attending only to the earlier tokens of its own row (`trainer/packing.py`): a short
