@@ -1,13 +1,14 @@
 """Where a finished episode goes, written for many episodes at once.
 
 A rollout writes each finished episode three times: its row in the data plane (the rollout
-fields and the reward, in one put), a line in the step's trajectory file, and a record in the
-run store. Each write costs about the same for one episode as for thirty (a data-plane put is
-three round trips to the queue; a store write is one transaction), and a step's episodes end in
-bursts, so `EpisodeWriter` commits them as a group: the first episode is written at once, and
-those that finish while a write is under way are written together by the next one. A group's
-put and store record run side by side, and its trajectory lines follow once both succeeded.
-Nothing waits for a timer, and an episode is never reported done before it is written.
+fields, the reward and its parts, in one put), a line in the step's trajectory file, and a
+record in the run store. Each write costs about the same for one episode as for thirty (a
+data-plane put is three round trips to the queue; a store write is one transaction), and a
+step's episodes end in bursts, so `EpisodeWriter` commits them as a group: the first episode
+is written at once, and those that finish while a write is under way are written together by
+the next one. A group's put and store record run side by side, and its trajectory lines
+follow once both succeeded. Nothing waits for a timer, and an episode is never reported done
+before it is written.
 
 The first write of an episode is the one that stands. An attempt whose reply was lost (its
 replica died after the put) may have been read already by the stages that derive fields from
@@ -111,7 +112,13 @@ class EpisodeWriter:
         # transaction in a thread; neither needs the other. Both end before either's error is
         # raised, so a failed group leaves no write running.
         writes: list[Awaitable[object]] = [
-            self._data.put_rollout(step, trajectories, extra={"reward": rewards})
+            self._data.put_rollout(
+                step,
+                trajectories,
+                # With the reward, what it was made of: a re-run that keeps this row
+                # (`written_before`) records the episode from it.
+                extra={"reward": rewards, "reward_info": [t.reward_info for t in trajectories]},
+            )
         ]
         if self._store is not None:
             # `replace`: a step produced again (after a resume or the actor's restore) is

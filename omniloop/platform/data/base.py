@@ -266,8 +266,9 @@ class DataBus(Protocol):
     async def written(self, step: int, trajectory_id: str) -> Trajectory | None:
         """The trajectory whose rollout fields and reward partition `step` holds under
         `trajectory_id`, read back without handing the row to any consumer; None while the
-        row is missing or incomplete. The read-back has no `reward_info`, and a reward written
-        as NaN (an infrastructure failure, an episode without a reward) reads back as None."""
+        row is missing or incomplete. `reward_info` reads back if the row has it (else empty),
+        and a reward written as NaN (an infrastructure failure, an episode without a reward)
+        reads back as None."""
         ...
 
     def iter_micro_batches(

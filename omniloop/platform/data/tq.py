@@ -356,6 +356,8 @@ class DataPlane:
         names = [*ROLLOUT_FIELDS, "reward"]
         if meta.size != 1 or not set(names) <= set(meta.field_names):
             return None
+        if "reward_info" in meta.field_names:
+            names.append("reward_info")
         meta = meta.select_fields(names)
         if not meta.is_ready:
             return None
@@ -363,13 +365,19 @@ class DataPlane:
             data = await self._client.async_get_data(meta)
         row = {name: _decode(data[name], 1)[0] for name in names}
         reward = float(row.pop("reward"))
+        reward_info = row.pop("reward_info", None) or {}
         values = {
             name: value.tolist() if FIELDS[name].kind == "tokens" else value
             for name, value in row.items()
         }
         values["prompt_length"] = int(values["prompt_length"])
         return Trajectory.model_validate(
-            {**values, "id": trajectory_id, "reward": None if math.isnan(reward) else reward}
+            {
+                **values,
+                "id": trajectory_id,
+                "reward": None if math.isnan(reward) else reward,
+                "reward_info": reward_info,
+            }
         )
 
     async def clear(self, step: int) -> None:

@@ -267,9 +267,13 @@ async def test_a_written_row_reads_back_as_its_trajectory_without_being_consumed
 ) -> None:
     # What a re-run episode finds when an earlier attempt's put got through.
     scored, failed, unscored = (make_trajectory(e) for e in range(3))
-    scored.reward = 0.5
+    scored.reward, scored.reward_info = 0.5, {"exact": 1.0, "short": 0.0}
     assert await plane.written(step, scored.id) is None  # no partition yet
-    await writer.put_rollout(step, [scored, failed], extra={"reward": [0.5, float("nan")]})
+    await writer.put_rollout(
+        step,
+        [scored, failed],
+        extra={"reward": [0.5, float("nan")], "reward_info": [scored.reward_info, {}]},
+    )
     await writer.put_rollout(step, [unscored])  # a row without its reward is not complete
     back = await plane.written(step, scored.id)
     assert back is not None

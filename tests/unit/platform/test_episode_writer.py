@@ -21,6 +21,7 @@ def _trajectory(episode: int) -> Trajectory:
     meta = TrajectoryMeta(run_id="run", episode_id=f"ep{episode}", task_id="t", stop_reason="stop")
     trajectory = builder.build(meta)
     trajectory.reward = float(episode)
+    trajectory.reward_info = {"exact": float(episode)}
     return trajectory
 
 
@@ -33,6 +34,7 @@ class Writes:
         self.fail_put = fail_put
         self.log: list[tuple[str, list[str], float, float]] = []
         self.rewards: list[list[float]] = []
+        self.reward_infos: list[list[dict[str, float]]] = []
         self.replace: list[bool] = []
         """Each store record's `replace` flag."""
         self.rows: dict[str, Trajectory] = {}
@@ -50,6 +52,7 @@ class Writes:
         self, step: int, trajectories: list[Trajectory], extra: dict[str, Any]
     ) -> None:
         self.rewards.append(list(extra["reward"]))
+        self.reward_infos.append(list(extra["reward_info"]))
         await self._write("put", trajectories)
 
     async def record_episodes(
@@ -88,6 +91,8 @@ def test_episodes_that_end_during_a_write_go_in_the_next_group(tmp_path: Path) -
         "ep3",
     ]
     assert sorted(r for group in writes.rewards for r in group) == [0.0, 1.0, 2.0, 3.0]
+    # The reward's parts go with it: a re-run that keeps the row records the episode from it.
+    assert sorted(i["exact"] for group in writes.reward_infos for i in group) == [0, 1, 2, 3]
     # A step's writes replace a record under the same id (the step was produced again).
     assert writes.replace == [True, True]
 
