@@ -166,6 +166,14 @@ def steady_seconds(step_seconds: list[float]) -> float:
     return statistics.fmean(kept)
 
 
+def task_split(steps: int, eval_tasks: int) -> tuple[list[str], list[str]]:
+    """The example's task lines: those `steps` steps train on (in file order, as both sides
+    take them), and the `eval_tasks` after them, held out for the final weights."""
+    lines = (EXAMPLE / "tasks.jsonl").read_text().splitlines()
+    trained = steps * TASKS_PER_STEP
+    return lines[:trained], lines[trained : trained + eval_tasks]
+
+
 # --- ours -------------------------------------------------------------------------------------
 
 
@@ -427,10 +435,9 @@ def trl_child(args: argparse.Namespace) -> None:
     from trl.models.utils import unwrap_model_for_generation
 
     started = time.monotonic()
-    tasks = [json.loads(line) for line in (EXAMPLE / "tasks.jsonl").read_text().splitlines()]
-    trained = args.steps * TASKS_PER_STEP
-    held_out = tasks[trained : trained + args.eval_tasks]
-    tasks = tasks[:trained]
+    trained_lines, held_out_lines = task_split(args.steps, args.eval_tasks)
+    tasks = [json.loads(line) for line in trained_lines]
+    held_out = [json.loads(line) for line in held_out_lines]
     by_prompt = {task["prompt"]: task for task in [*tasks, *held_out]}
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
@@ -710,9 +717,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as tmp:
         work = Path(tmp)
         held_out = work / "eval-tasks.jsonl"
-        trained = args.steps * TASKS_PER_STEP
-        lines = (EXAMPLE / "tasks.jsonl").read_text().splitlines()
-        held_out.write_text("".join(f"{t}\n" for t in lines[trained : trained + args.eval_tasks]))
+        held_out.write_text("".join(f"{t}\n" for t in task_split(args.steps, args.eval_tasks)[1]))
         if not args.skip_ours:
             runs["ours"] = run_ours(args.steps, args.staleness, args.max_new_tokens, work)
             if args.on_policy and args.staleness != 0:
