@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,7 @@ def check_data_plane() -> None:
 
 
 class RolloutServer:
-    """A rollout replica: runs single episodes (`EpisodeRunner.run`) on request."""
+    """A rollout replica: runs a group of episodes (`EpisodeRunner.run_group`) per request."""
 
     # Serve awaits an async constructor; mypy knows no such thing.
     async def __init__(self, config: RunConfig, cwd: str, paths: list[str]) -> None:  # type: ignore[misc]
@@ -59,8 +60,14 @@ class RolloutServer:
     async def open_step(self, step: int) -> None:
         self._runner.open_step(step)
 
-    async def episode(self, step: int, index: int, attempt: int) -> EpisodeSummary:
-        return await self._runner.run(step, index, attempt)
+    async def episodes(
+        self, step: int, indices: list[int], attempt: int
+    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+        """A group's episodes, each streamed back as it is written (`EpisodeRunner.run_group`;
+        called with `stream=True`)."""
+        async with contextlib.aclosing(self._runner.run_group(step, indices, attempt)) as group:
+            async for done in group:
+                yield done
 
     async def close_step(self, step: int) -> None:
         await self._runner.close_step(step)
@@ -236,6 +243,7 @@ class ActorServer:
         """A replica that replaces a lost one, with no checkpoint to restore: the initial
         weights and every row unread."""
         await self._actor.forget_consumed()
+        await self._actor.reopen_steps(0)
         self._actor.restored()
         self._adopted = True
         return 0, self._actor.version
@@ -243,6 +251,7 @@ class ActorServer:
     async def restore(self, path: str) -> tuple[int, int]:
         """A replica that replaces a lost one restores the checkpoint at `path`."""
         step = await self._actor.load(Path(path))
+        await self._actor.reopen_steps(step)
         self._actor.restored()
         self._adopted = True
         return step, self._actor.version

@@ -3,11 +3,12 @@
 Each role talks to the others only through the data plane (its own client, as a separate
 service would have) and answers the controller's directives:
 
-- `LocalRollout.generate(k)`: runs step `k`'s episodes and writes each trajectory to partition
-  `k` as soon as it ends. The reward stage runs inside the episode (`run_episode` scores it
-  with the configured rewards), so the rollout writes the `reward` field itself, right after
-  the rollout fields. An infrastructure failure is written too, with reward NaN: it is part of
-  the step's record, and every later stage recognises it by `meta.stop_reason`.
+- `EpisodeRunner.run_group` (behind `step_rollout.StepRollout.generate(k)`): runs step `k`'s
+  episodes and writes each trajectory to partition `k` as soon as it ends. The reward stage
+  runs inside the episode (`run_episode` scores it with the configured rewards), so the
+  rollout writes the `reward` field itself, right after the rollout fields. An infrastructure
+  failure is written too, with reward NaN: it is part of the step's record, and every later
+  stage recognises it by `meta.stop_reason`.
 - `LocalAdvantage.compute(k)`: reads rewards as they arrive and, for each complete GRPO group,
   writes the `advantages` field (group-normalised or leave-one-out, per token).
 - `LocalScorer.compute(k)`: a frozen model's logprobs for every row, micro-batch by
@@ -33,7 +34,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -49,9 +50,8 @@ from omniloop.errors import RoleLost
 from omniloop.inference.base import Engine
 from omniloop.inference.router import for_session
 from omniloop.platform.control.components import episode_plan
-from omniloop.platform.control.controller import EpisodeSummary, RolloutReport, TrainReport
+from omniloop.platform.control.controller import EpisodeSummary, TrainReport
 from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
-from omniloop.platform.control.faults import Retry
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.staleness import StalenessGate
 from omniloop.platform.control.writer import EpisodeWriter
@@ -283,117 +283,34 @@ class EpisodeRunner:
         await self._writer.write(step, trajectory)
         return EpisodeSummary.of(trajectory)
 
+    async def run_group(
+        self, step: int, indices: Sequence[int], attempt: int = 0
+    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+        """Run episodes `indices` of step `step` side by side (`run`), yielding `(index,
+        summary)` for each as it is written; then raise the first error one of them raised
+        (`step_rollout.EpisodesCall`). Closed early, it cancels the episodes still running."""
+        runs = {asyncio.ensure_future(self.run(step, i, attempt)): i for i in indices}
+        pending = set(runs)
+        failure: BaseException | None = None
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for run in done:
+                    error = run.exception()
+                    if error is None:
+                        yield runs[run], run.result()
+                    elif failure is None:
+                        failure = error
+        finally:
+            for run in pending:
+                run.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if failure is not None:
+            raise failure
+
     async def close_step(self, step: int) -> None:
         """Close partition `step`: every episode of the step has been written."""
         await self._data.close_partition(step)
-
-
-EpisodeCall = Callable[[int, int, int], Awaitable[EpisodeSummary]]
-"""`(step, index, attempt) -> summary`: one episode, wherever it runs."""
-
-
-class StepRollout:
-    """The rollout role as the controller sees it: a step is its plan's episodes, each run by
-    `episode` (in this process, or on a rollout replica) and re-run with `attempt + 1` when
-    `retry` says the failure was the replica's, not the episode's.
-
-    `begin(step)` runs before the step's first episode, `close(step)` once all have been
-    written. `on_start(step, n)` and `on_episode(step, 1)` report progress. At most
-    `concurrency` episodes are asked for at once, across all steps in flight: the rest wait
-    here, and start the moment one ends (on Ray Serve, a request sent to replicas that are all
-    full waits in the router, which looks again after a backoff of up to half a second).
-
-    With `extra_groups` (dynamic sampling), each group of `group_size` consecutive episodes
-    whose rewards are all equal (`uniform_rewards`) is followed by the next extra group of the
-    plan (episodes `episodes_per_step + j * group_size ...`), while any of the step's
-    `extra_groups` are left; the advantage stage drops the uniform groups from training.
-    """
-
-    def __init__(
-        self,
-        episodes_per_step: int,
-        episode: EpisodeCall,
-        *,
-        concurrency: int,
-        begin: Callable[[int], Awaitable[None]],
-        close: Callable[[int], Awaitable[None]],
-        retry: Retry,
-        on_start: EpisodeCallback,
-        on_episode: EpisodeCallback,
-        group_size: int = 1,
-        extra_groups: int = 0,
-    ) -> None:
-        self._count = episodes_per_step
-        self._group_size = group_size
-        self._extra_groups = extra_groups
-        self._episode = episode
-        self._running = asyncio.Semaphore(concurrency)
-        self._begin = begin
-        self._close = close
-        self._retry = retry
-        self._on_start = on_start
-        self._on_episode = on_episode
-
-    async def generate(self, step: int) -> RolloutReport:
-        """Run step `step`'s episodes into partition `step`, then close it."""
-        started = time.perf_counter()
-        await self._retry.call("rollout", lambda _: self._begin(step), what=f"step {step} start")
-        self._on_start(step, self._count)
-        if self._extra_groups:
-            episodes, extra, dropped = await self._dynamic(step)
-        else:
-            async with asyncio.TaskGroup() as group:
-                runs = [group.create_task(self._one(step, i)) for i in range(self._count)]
-            episodes, extra, dropped = [run.result() for run in runs], 0, 0
-        await self._retry.call("rollout", lambda _: self._close(step), what=f"step {step} close")
-        retried = sum(e.attempt > 0 for e in episodes)
-        return RolloutReport(
-            step,
-            episodes,
-            time.perf_counter() - started,
-            retried=retried,
-            extra_groups=extra,
-            dropped_groups=dropped,
-        )
-
-    async def _dynamic(self, step: int) -> tuple[list[EpisodeSummary], int, int]:
-        """The step's groups, each uniform one followed by an extra group while the budget
-        lasts; returns every episode, the extra groups run and the uniform groups."""
-        size = self._group_size
-        budget = self._extra_groups
-        dropped = 0
-
-        async def chain(first: int) -> list[EpisodeSummary]:
-            nonlocal budget, dropped
-            episodes: list[EpisodeSummary] = []
-            start = first
-            while True:
-                async with asyncio.TaskGroup() as group:
-                    runs = [group.create_task(self._one(step, start + i)) for i in range(size)]
-                members = [run.result() for run in runs]
-                episodes += members
-                rewards = [e.reward for e in members]
-                if not uniform_rewards(rewards, [not e.infra_failure for e in members]):
-                    return episodes
-                dropped += 1
-                if budget == 0:
-                    return episodes
-                start = self._count + (self._extra_groups - budget) * size
-                budget -= 1
-
-        async with asyncio.TaskGroup() as group:
-            chains = [group.create_task(chain(g)) for g in range(0, self._count, size)]
-        episodes = [e for c in chains for e in c.result()]
-        return episodes, self._extra_groups - budget, dropped
-
-    async def _one(self, step: int, index: int) -> EpisodeSummary:
-        async def run(attempt: int) -> EpisodeSummary:
-            async with self._running:
-                return await self._episode(step, index, attempt)
-
-        summary = await self._retry.call("rollout", run, what=f"step {step} episode {index}")
-        self._on_episode(step, 1)
-        return summary
 
 
 class LocalAdvantage:
@@ -782,6 +699,13 @@ class LocalActor:
         """This actor replaces a lost one: the engines may have served weights newer than the
         ones it restored."""
         self._restored_from = self._backend.version
+
+    async def reopen_steps(self, from_step: int) -> None:
+        """This actor replaces a lost one and goes on from step `from_step`: the steps from
+        there that the lost one trained (and cleared) are produced again."""
+        reopened = await self._data.reopen_cleared(from_step)
+        if reopened:
+            log.info("steps %s are produced again for the restored actor", reopened)
 
     async def forget_consumed(self) -> None:
         """Start the data position afresh: every row not trained since is handed out again."""

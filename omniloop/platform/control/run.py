@@ -305,10 +305,10 @@ async def local_roles(
     from omniloop.platform.control.local import (
         LocalAdvantage,
         LocalScorer,
-        StepRollout,
         scored_by,
         scoring_roles,
     )
+    from omniloop.platform.control.step_rollout import StepRollout
     from omniloop.platform.data import DataPlane
     from omniloop.trainer.reference import TorchReference
 
@@ -323,7 +323,7 @@ async def local_roles(
 
         rollout = StepRollout(
             config.tasks_per_step * config.rollout.samples_per_task,
-            runner.run,
+            runner.run_group,
             concurrency=config.rollout.concurrency,
             begin=begin,
             close=runner.close_step,

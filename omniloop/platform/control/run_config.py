@@ -68,6 +68,10 @@ class ServicesConfig(StrictModel):
     """Replicas of the rollout deployment; they share the run's `rollout.concurrency` episodes.
     Each is a process of its own with torch, the tokenizer and a data-plane client loaded
     (~0.55 GB resident on the tiny model)."""
+    rollout_groups_per_replica: int | None = Field(default=None, ge=1)
+    """GRPO groups a rollout replica takes at once (its `max_ongoing_requests`: the rollout
+    role's requests are groups); None: as many as fill its share of `rollout.concurrency`.
+    Groups sent past these and `max_queued_requests` are refused and sent again."""
     max_queued_requests: int = Field(default=1024, ge=1)
     """Requests a deployment's callers may queue beyond what its replicas run at once; past it
     a call is refused (back-pressure) and retried after a pause, never dropped."""

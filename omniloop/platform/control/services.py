@@ -15,11 +15,13 @@ attaching to the actor, a rollout replica's handles) waits for it through Serve:
 - `reward` (`reward_service.RewardServer`, `services.reward_replicas`): the reward functions.
 - `sandbox` (`sandbox_service.SandboxServer`, `services.sandbox_replicas`): sandboxd, the only
   process that creates sandboxes; each replica serves its own over HTTP.
-- `rollout` (`data_roles.RolloutServer`, `services.rollout_replicas`): one request per
-  episode; each replica has its own data-plane client and store connection, reaches engines
-  through an `EngineRouter` over the actor's rotation (session affinity per episode),
-  sandboxes through `ServiceSandboxes` and rewards through `RemoteReward`s, and runs up to
-  its share of `rollout.concurrency` episodes at once (`max_ongoing_requests`).
+- `rollout` (`data_roles.RolloutServer`, `services.rollout_replicas`): one request per GRPO
+  group (`step_rollout`), whose episodes stream back as each is written; each replica has
+  its own data-plane client and store connection, reaches engines through an `EngineRouter`
+  over the actor's rotation (session affinity per episode), sandboxes through
+  `ServiceSandboxes` and rewards through `RemoteReward`s, and runs up to its share of
+  `rollout.concurrency` episodes at once, taking the groups that fill it
+  (`max_ongoing_requests`, `services.rollout_groups_per_replica`).
 - `advantage` (`data_roles.AdvantageServer`): one request per step, which reads the step
   whole.
 - `reference` (`data_roles.ScorerServer`, only with `trainer.reference=external` and a KL
@@ -56,7 +58,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -66,7 +68,7 @@ os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "2.0")
 
 from ray import serve
 from ray.serve import Application, RunTarget
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from omniloop.platform.control.api_service import ApiServer
 from omniloop.platform.control.console import console
@@ -87,10 +89,11 @@ from omniloop.platform.control.deployments import (
 )
 from omniloop.platform.control.faults import FaultTimeline, Retry
 from omniloop.platform.control.health import HealthMonitor
-from omniloop.platform.control.local import StepRollout, scoring_roles
+from omniloop.platform.control.local import scoring_roles
 from omniloop.platform.control.reward_service import RewardServer
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.sandbox_service import SandboxServer
+from omniloop.platform.control.step_rollout import StepRollout
 from omniloop.processes import free_port
 
 T = TypeVar("T")
@@ -227,12 +230,15 @@ async def service_roles(
 
     settings = config.services
     per_replica = max(1, math.ceil(config.rollout.concurrency / settings.rollout_replicas))
+    groups_per_replica = settings.rollout_groups_per_replica or math.ceil(
+        per_replica / config.rollout.samples_per_task
+    )
 
     cwd, paths = os.getcwd(), [p for p in sys.path if p]
     rollout_app = serve.deployment(
         name="rollout",
         num_replicas=settings.rollout_replicas,
-        max_ongoing_requests=per_replica,
+        max_ongoing_requests=groups_per_replica,
         **role_options(config, "rollout"),
     )(RolloutServer).bind(
         config.model_copy(
@@ -335,9 +341,18 @@ async def service_roles(
                 f"[bold]dashboard[/bold] http://{settings.api_host}:{api_port}/", soft_wrap=True
             )
 
-        async def episode(step: int, index: int, attempt: int) -> EpisodeSummary:
-            summary: EpisodeSummary = await rollout.episode.remote(step, index, attempt)
-            return summary
+        streaming = rollout.options(stream=True)
+
+        async def episodes(
+            step: int, indices: list[int], attempt: int
+        ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+            stream: DeploymentResponseGenerator[tuple[int, EpisodeSummary]]
+            stream = streaming.episodes.remote(step, indices, attempt)  # type: ignore[assignment]
+            try:
+                async for done in stream:
+                    yield done
+            finally:
+                stream.cancel()  # a no-op once the replica's stream has ended
 
         async def open_step(step: int) -> None:
             await rollout.open_step.remote(step)
@@ -345,12 +360,12 @@ async def service_roles(
         async def close_step(step: int) -> None:
             await rollout.close_step.remote(step)
 
-        episodes = config.tasks_per_step * config.rollout.samples_per_task
+        episodes_per_step = config.tasks_per_step * config.rollout.samples_per_task
         stages = {role: ServiceStage(role, serve.get_app_handle(role), retry) for role in scorers}
         yield Roles(
             rollout=StepRollout(
+                episodes_per_step,
                 episodes,
-                episode,
                 concurrency=config.rollout.concurrency,
                 begin=open_step,
                 close=close_step,

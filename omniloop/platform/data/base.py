@@ -297,7 +297,16 @@ class DataBus(Protocol):
         ...
 
     async def clear(self, step: int) -> None:
-        """Drop every row of partition `step` (after it was trained on)."""
+        """Drop every row of partition `step` (after it was trained on). The step stays
+        closed: a reader of it (a stage re-running its work after a replica died) ends at once
+        instead of waiting for rows that will not come. The consumed ids are kept, so a row
+        written again under the same id is still never trained twice."""
+        ...
+
+    async def reopen_cleared(self, from_step: int) -> list[int]:
+        """Open the cleared steps from `from_step` on for writing again, and return them: an
+        actor restored from a checkpoint has those steps produced again. A closed step that
+        still has its rows (produced, not yet trained) stays closed."""
         ...
 
     def close(self) -> None:

@@ -44,11 +44,12 @@ import contextlib
 import logging
 import math
 import os
+import re
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -100,6 +101,16 @@ _STATE_FORMAT = 1
 def _closed_partition(partition: str) -> str:
     # A side partition, so the marker is never a row of the step and needs no filtering.
     return f"{partition}.closed"
+
+
+def _marked_steps(partitions: Iterable[str]) -> list[int]:
+    """The steps that have a closed marker among `partitions`."""
+    steps = []
+    for name in partitions:
+        match = re.fullmatch(r"step_(\d+)\.closed", name)
+        if match:
+            steps.append(int(match.group(1)))
+    return steps
 
 
 class DataPlaneConfig(StrictModel):
@@ -381,22 +392,30 @@ class DataPlane:
         )
 
     async def clear(self, step: int) -> None:
-        """Drop all rows and the closed marker of partition `step` from the queue.
-
-        The consumed ids of the step are kept, so a row written again under the same id after
-        the clear is still never trained twice.
-        """
+        """See `DataBus.clear`: the rows go, the closed marker stays."""
         self._check_open()
         partition = partition_id(step)
-        existing = set(await self._client.async_get_partition_list())
-        for pid in (partition, _closed_partition(partition)):
-            if pid in existing:
-                await self._client.async_clear_partition(pid)
+        if partition in await self._client.async_get_partition_list():
+            await self._client.async_clear_partition(partition)
         for key in [k for k in self._leftover if k[0] == partition]:
             del self._leftover[key]
         for key in [k for k in self._inflight if k[0] == partition]:
             del self._inflight[key]
         self._reset_done = {k for k in self._reset_done if k[0] != partition}
+
+    async def reopen_cleared(self, from_step: int) -> list[int]:
+        """See `DataBus.reopen_cleared`."""
+        self._check_open()
+        existing = set(await self._client.async_get_partition_list())
+        reopened = []
+        for step in range(from_step, 1 + max(_marked_steps(existing), default=-1)):
+            partition = partition_id(step)
+            marker = _closed_partition(partition)
+            # A marker without rows: a cleared step (a closed one that has rows is untrained).
+            if marker in existing and partition not in existing:
+                await self._client.async_clear_partition(marker)
+                reopened.append(step)
+        return reopened
 
     async def _write(
         self, partition: str, ids: list[str], columns: Mapping[str, Any], *, create: bool

@@ -458,10 +458,40 @@ async def test_clear_drops_rows_but_remembers_consumption(
     await writer.close_partition(step)
     assert len(ids_of(await collect(plane, step, ["input_ids"], 3))) == 3
     await writer.clear(step)
-    # The step is open and empty again; a late retry of a trained row is not trained twice.
+    # The step stays closed: a stage that reads it again (its replica died after its last
+    # write) finds it finished instead of waiting out its timeout.
+    assert await collect(plane, step, ["input_ids"], 3) == []
+    with pytest.raises(PartitionClosedError):
+        await writer.put_rollout(step, [make_trajectory(11)])
+    # A restored actor has the step produced again: a late retry of a trained row is still
+    # not trained twice.
+    assert await writer.reopen_cleared(step) == [step]
     await writer.put_rollout(step, [trajs[0], make_trajectory(11)])
     await writer.close_partition(step)
     assert ids_of(await collect(plane, step, ["input_ids"], 3)) == [make_trajectory(11).id]
+
+
+async def test_only_cleared_steps_from_the_restored_one_on_are_reopened(
+    plane: DataPlane, writer: DataPlane, step: int
+) -> None:
+    # `checkpoint` is the checkpoint's step; the lost actor had trained it and the next; the
+    # one after was produced and closed, not trained. (Steps no other test uses.)
+    before = 10_000 + 10 * step
+    checkpoint, trained, produced = before + 1, before + 2, before + 3
+    for k in (before, checkpoint, trained, produced):
+        await writer.put_rollout(k, [make_trajectory(k)])
+        await writer.close_partition(k)
+    for k in (before, checkpoint, trained):
+        await writer.clear(k)
+    assert await plane.reopen_cleared(checkpoint) == [checkpoint, trained]
+    await writer.put_rollout(checkpoint, [make_trajectory(20)])  # open again
+    with pytest.raises(PartitionClosedError):
+        await writer.put_rollout(before, [make_trajectory(21)])
+    with pytest.raises(PartitionClosedError):
+        await writer.put_rollout(produced, [make_trajectory(22)])
+    assert ids_of(await collect(plane, produced, ["input_ids"], 2)) == [
+        make_trajectory(produced).id
+    ]
 
 
 async def test_an_attached_client_closes_without_stopping_the_queue(

@@ -6,8 +6,9 @@ one of step 2 and allocates memory without bound on one of step 4. Each of those
 `reward_error` (an infrastructure failure: recorded, counted, never trained); the run goes on
 and completes; the reward role's failures are on the fault timeline.
 
-The same run floods the rollout role: one replica runs 4 episodes at once and queues 2 more
-(`services.max_queued_requests`), while each step asks for 16. The calls past that are refused
+The same run floods the rollout role: its one replica takes one group of 4 episodes at once
+(`services.rollout_groups_per_replica`) and queues 2 more (`services.max_queued_requests`),
+while the controller sends a step's 4 groups at once. The calls past that are refused
 (back-pressure) and retried; none is lost, and none counts as a fault.
 """
 
@@ -45,9 +46,10 @@ def reward_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Pat
             "services.api": False,  # the test asks nothing of it; no proxy port to bind
             "services.reward_memory_mb": 768,
             "services.rollout_replicas": 1,
+            "services.rollout_groups_per_replica": 1,
             "services.reward_replicas": 2,
             "services.max_queued_requests": 2,
-            "rollout.concurrency": 4,
+            "rollout.concurrency": 16,
             "rollout.reward_timeout": 3.0,
             "rollout.rewards": [
                 str(Path(__file__).parents[3] / "examples/toy_tool/agent.py:found_the_treasure"),

@@ -31,6 +31,9 @@ class _Trainer:
         self.version = 6
         return 6
 
+    async def reopen_steps(self, from_step: int) -> None:
+        self.calls.append(f"reopen from {from_step}")
+
     def restored(self) -> None:
         self.calls.append("restored")
 
@@ -63,7 +66,8 @@ def test_a_replacement_refuses_work_until_restored() -> None:
     assert trainer.calls == []
     assert asyncio.run(replica.restore("/ckpt")) == (6, 6)
     assert asyncio.run(replica.train(6)) == "report"
-    assert trainer.calls == ["restored", "train 6"]
+    # The steps from the checkpoint's on are produced again: the lost actor cleared some.
+    assert trainer.calls == ["reopen from 6", "restored", "train 6"]
 
 
 def test_the_first_replica_is_adopted_as_it_is() -> None:

@@ -4,14 +4,16 @@ an extra group of the step's plan while the step's budget lasts; and the step's 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 
 import pytest
 
 from omniloop.agents.base import Task
 from omniloop.platform.control.controller import EpisodeSummary
 from omniloop.platform.control.faults import FaultTimeline, Retry, never_retry
-from omniloop.platform.control.local import StepRollout, step_tasks, uniform_rewards
+from omniloop.platform.control.local import step_tasks, uniform_rewards
 from omniloop.platform.control.run_config import FaultsConfig
+from omniloop.platform.control.step_rollout import StepRollout
 
 SIZE = 2
 GROUPS = 2
@@ -22,18 +24,21 @@ def _rollout(rewards: dict[int, float], extra_groups: int) -> tuple[StepRollout,
     is mixed unless `rewards` says otherwise)."""
     asked: list[int] = []
 
-    async def episode(step: int, index: int, attempt: int) -> EpisodeSummary:
-        asked.append(index)
-        await asyncio.sleep(0)
-        reward = rewards.get(index, float(index % 2))
-        return EpisodeSummary(f"e{index}", reward, False, "stop", 1, 1, 1)
+    async def episodes(
+        step: int, indices: list[int], attempt: int
+    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+        for index in indices:
+            asked.append(index)
+            await asyncio.sleep(0)
+            reward = rewards.get(index, float(index % 2))
+            yield index, EpisodeSummary(f"e{index}", reward, False, "stop", 1, 1, 1)
 
     async def nothing(step: int) -> None:
         return None
 
     rollout = StepRollout(
         GROUPS * SIZE,
-        episode,
+        episodes,
         concurrency=8,
         begin=nothing,
         close=nothing,

@@ -1,5 +1,6 @@
 """`EpisodeRunner.run`: a re-run episode (`attempt` > 0) asks the data plane for the row under
-the id its first attempt wrote, and keeps that row instead of running again."""
+the id its first attempt wrote, and keeps that row instead of running again. `run_group`: a
+group's episodes run side by side, each reported as it is written."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from typing import Any
 import pytest
 
 from omniloop.agents.base import Task
+from omniloop.errors import RoleLost
 from omniloop.platform.control import local
 from omniloop.platform.control.episode import EpisodeSettings
 from omniloop.platform.control.local import EpisodeRunner
 from omniloop.platform.control.rollout_config import RolloutConfig
 from omniloop.platform.control.run_config import RunConfig
-from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta
+from omniloop.trajectory import ErrorInfo, Trajectory, TrajectoryBuilder, TrajectoryMeta
 
 
 class Rows:
@@ -117,3 +119,86 @@ def test_a_rerun_whose_first_attempt_wrote_nothing_runs_as_its_attempt(
     assert row.input_ids[-1] == 101
     lines = (tmp_path / "trajectories" / "step_0.jsonl").read_text().splitlines()
     assert len(lines) == 1
+
+
+def test_a_group_runs_side_by_side_and_reports_each_episode_as_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Plan of step 1: t0/0, t0/1, t1/0, t1/1 (indices 0-3). Episode 1 ends last; episode 2's
+    # sandbox replica dies under it.
+    # (Gaps of 0.2 s: a loaded machine would have to hold the loop that long between two
+    # episodes' starts to change the order they end in.)
+    seconds = {"step1/t0/0": 0.2, "step1/t0/1": 0.6, "step1/t1/0": 0.4, "step1/t1/1": 0.0}
+
+    async def run_episode(agent: Any, task: Task, **kwargs: Any) -> Trajectory:
+        settings: EpisodeSettings = kwargs["settings"]
+        await asyncio.sleep(seconds[settings.episode_id])
+        builder = TrajectoryBuilder([1, 2])
+        builder.add_sampled([100], [-0.5], 0)
+        error = None
+        if settings.episode_id == "step1/t1/0":
+            error = ErrorInfo(type="SandboxLost", message="gone", failed_role="sandbox")
+        meta = TrajectoryMeta(
+            run_id=settings.run_id,
+            episode_id=settings.episode_id,
+            task_id=task.id,
+            stop_reason="sandbox_error" if error else "stop",
+            error=error,
+        )
+        return builder.build(meta)
+
+    monkeypatch.setattr(local, "run_episode", run_episode)
+    data = Rows()
+    runner = _runner(data, tmp_path)
+
+    async def main() -> tuple[list[int], BaseException | None]:
+        reported: list[int] = []
+        try:
+            async for index, _ in runner.run_group(1, [0, 1, 2, 3]):
+                reported.append(index)
+        except RoleLost as err:
+            return reported, err
+        return reported, None
+
+    reported, error = asyncio.run(main())
+    # In the order they ended (side by side: one after the other would be 0, 1, 3), the lost
+    # one left out and raised after the others.
+    assert reported == [3, 0, 1]
+    assert isinstance(error, RoleLost)
+    assert error.failed_role == "sandbox"
+    assert len(data.rows) == 3  # the lost episode was not written
+
+
+def test_a_group_closed_early_cancels_the_episodes_still_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cancelled: list[str] = []
+
+    async def run_episode(agent: Any, task: Task, **kwargs: Any) -> Trajectory:
+        settings: EpisodeSettings = kwargs["settings"]
+        try:
+            await asyncio.sleep(0 if settings.episode_id.endswith("t0/0") else 10)
+        except asyncio.CancelledError:
+            cancelled.append(settings.episode_id)
+            raise
+        builder = TrajectoryBuilder([1, 2])
+        builder.add_sampled([100], [-0.5], 0)
+        meta = TrajectoryMeta(
+            run_id=settings.run_id,
+            episode_id=settings.episode_id,
+            task_id=task.id,
+            stop_reason="stop",
+        )
+        return builder.build(meta)
+
+    monkeypatch.setattr(local, "run_episode", run_episode)
+    runner = _runner(Rows(), tmp_path)
+
+    async def main() -> int:
+        group = runner.run_group(0, [0, 1, 2])
+        index, _ = await anext(group)
+        await group.aclose()
+        return index
+
+    assert asyncio.run(asyncio.wait_for(main(), 5)) == 0
+    assert sorted(cancelled) == ["step0/t0/1", "step0/t1/0"]
