@@ -53,13 +53,16 @@ class Slots:
         except asyncio.CancelledError:
             if taken.done() and not taken.cancelled():  # given the slots as it was cancelled
                 self.give_back(count)
+            elif (count, taken) in self._waiting:  # leave the line: hold back no one behind
+                self._waiting.remove((count, taken))
+                self.give_back(0)
             raise
         return count
 
     def give_back(self, count: int = 1) -> None:
         """Free `count` slots, and hand them to the groups waiting, first come first."""
         self._free += count
-        while self._waiting and self._free >= self._waiting[0][0]:
+        while self._waiting and (self._waiting[0][1].done() or self._free >= self._waiting[0][0]):
             wanted, taken = self._waiting.popleft()
             if not taken.done():  # not cancelled meanwhile
                 self._free -= wanted

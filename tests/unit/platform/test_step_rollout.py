@@ -143,3 +143,17 @@ def test_a_cancelled_wait_for_slots_takes_none() -> None:
         return await slots.take(2)  # all free again: the cancelled wait holds nothing
 
     assert asyncio.run(asyncio.wait_for(main(), 5)) == 2
+
+
+def test_a_cancelled_wait_holds_back_no_group_behind_it() -> None:
+    async def main() -> int:
+        slots = Slots(4)
+        await slots.take(3)
+        wide = asyncio.create_task(slots.take(4))  # waits for all 4
+        await asyncio.sleep(0.01)
+        narrow = asyncio.create_task(slots.take(1))  # 1 is free, but it queues behind
+        await asyncio.sleep(0.01)
+        wide.cancel()
+        return await asyncio.wait_for(narrow, 5)
+
+    assert asyncio.run(main()) == 1
