@@ -180,7 +180,7 @@ class Retry:
                     self._timeline.refused(role)
                 if kind == "lost":
                     cause = f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"
-                    failed = getattr(err, "failed_role", None) or role
+                    failed = failed_role(err) or role
                     self._timeline.failed(failed, replica, cause, what or role)
                     attempt += 1
                     if attempt >= self._config.max_attempts:
@@ -191,6 +191,17 @@ class Retry:
                 await asyncio.sleep(self._config.retry_pause_s)
                 continue
             return result
+
+
+def failed_role(err: BaseException) -> str:
+    """The role an error names as the one whose failure it is (`RoleLost.failed_role`), also
+    through the wrapper Ray raises for an error from another process (`RayTaskError`, which
+    subclasses the error's class but keeps the instance, and its attributes, as `cause`); ""
+    if it names none."""
+    named = getattr(err, "failed_role", "") or getattr(
+        getattr(err, "cause", None), "failed_role", ""
+    )
+    return str(named or "")
 
 
 def never_retry(err: BaseException) -> tuple[Failure, str] | None:

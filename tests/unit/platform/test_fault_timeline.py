@@ -74,3 +74,21 @@ def test_the_monitor_follows_launched_engines_from_their_first_healthy_poll() ->
     [removed] = timeline.take_finished()
     assert removed.role == "engine+2"
     assert all(f.recovered_at is not None for f in timeline.faults)
+
+
+def test_a_lost_role_is_named_through_ray_s_wrapper_of_a_remote_error() -> None:
+    from ray.exceptions import RayTaskError
+
+    from omniloop.errors import RoleLost
+    from omniloop.platform.control.faults import failed_role
+
+    lost = RoleLost("step 2 episode 5: its sandbox died", "sandbox")
+    assert failed_role(lost) == "sandbox"
+    # What a caller of a Serve replica gets: the class is RoleLost's too, the instance is not.
+    try:
+        raise lost
+    except RoleLost as err:
+        wrapped = RayTaskError("episodes", "traceback", err).as_instanceof_cause()
+    assert isinstance(wrapped, RoleLost)
+    assert failed_role(wrapped) == "sandbox"
+    assert failed_role(RuntimeError("bug")) == ""
