@@ -144,9 +144,9 @@ def chaos_run(toy_config: Any, tmp_path_factory: pytest.TempPathFactory) -> Chao
             "checkpoint_every": CHECKPOINT_EVERY,
             "services.mode": "services",
             "services.rollout_replicas": 2,
-            # Two of a step's four groups per replica: whichever replica is killed, it was
-            # running episodes of the step.
-            "services.rollout_groups_per_replica": 2,
+            # One group per replica at a time, the others queued: whichever replica is killed
+            # while a step's groups run, it was running one of them.
+            "services.rollout_groups_per_replica": 1,
             "services.reward_replicas": 2,
             "services.api_port": port,
             "trainer.loss.kl_coef": 0.05,
