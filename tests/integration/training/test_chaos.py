@@ -2,19 +2,20 @@
 
 One real run of the toy task with the roles as Ray Serve deployments. While it trains, a
 watcher SIGKILLs the process of one replica per role, each at a step of its own, in the middle
-of that step's work: a rollout replica while step 1's episodes run, the sandbox replica
-(sandboxd, and with it every sandbox) during step 2, the advantage replica while step 3's
-groups arrive, the engine's replica (and so its engine) during step 4. Ray Serve replaces
-each; the controller re-runs what was cut off (an episode whose sandbox died is run again from
-the start); episodes waiting for a sandbox or on the dead engine resume on the replacement,
-which for an engine has the current weights before it serves (a sample of older weights would
-be refused by the actor and missing from `trained.jsonl`); the reference replica (the run
-trains with a KL penalty scored by the `reference` role) during step 6, whose `ref_logprobs`
-the replacement writes; the actor's replica during step 7, once step 6 is trained (so mostly
-while it waits for step 7's rollout with no request of the controller's under way: the
-replacement must refuse to train until restored): only the actor restarts, from its checkpoint
-of step 6, while the rollout goes on, and steps 6 and 7 are produced and trained again under
-the same ids.
+of that step's work: a rollout replica while step 1's episodes run, holding a group (the engine
+paused meanwhile, so the group cannot end first; a later step if too few of step 1's groups
+were left), the sandbox replica (sandboxd, and with it every sandbox) during step 2, the
+advantage replica while step 3's groups arrive, the engine's replica (and so its engine) during
+step 4. Ray Serve replaces each; the controller re-runs what was cut off (an episode whose
+sandbox died is run again from the start); episodes waiting for a sandbox or on the dead engine
+resume on the replacement, which for an engine has the current weights before it serves (a
+sample of older weights would be refused by the actor and missing from `trained.jsonl`); the
+reference replica (the run trains with a KL penalty scored by the `reference` role) during step
+6, whose `ref_logprobs` the replacement writes; the actor's replica during step 7, once step 6
+is trained (so mostly while it waits for step 7's rollout with no request of the controller's
+under way: the replacement must refuse to train until restored): only the actor restarts, from
+its checkpoint of step 6, while the rollout goes on, and steps 6 and 7 are produced and trained
+again under the same ids.
 
 Afterwards: the run completed; every trajectory id of every step was trained exactly once
 (`trained.jsonl`); the store holds every episode once; each kill is a fault on the timeline
@@ -98,18 +99,59 @@ def _trained(run_dir: Path, step: int) -> bool:
     )
 
 
+def _written(run_dir: Path, step: int) -> int:
+    path = run_dir / "trajectories" / f"step_{step}.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _kill_a_rollout_replica_holding_a_group(run: ChaosRun, step: int) -> bool:
+    """Pause the engine (SIGSTOP), so that every episode waits at its next generation and a
+    rollout replica that has a group keeps it; once no episode has been written for two
+    seconds, SIGKILL a rollout replica if at least two of `step`'s groups are unwritten (each of
+    the two replicas holds one: Serve hands a waiting group to a free replica within a second),
+    and resume the engine.
+    Toy episodes end in a fraction of a second, so without the pause a replica could be found
+    between groups. False, with nothing killed, when fewer groups were left."""
+    engine = [
+        child
+        for pid in replica_pids("engine", within=os.getpid())
+        for child in psutil.Process(pid).children(recursive=True)
+    ]
+    for process in engine:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        written = _written(run.run_dir, step)
+        while True:
+            time.sleep(2.0)
+            settled, written = written, _written(run.run_dir, step)
+            if written == settled:
+                break
+        pids = replica_pids("rollout", within=os.getpid())
+        if TASKS_PER_STEP * SAMPLES - written <= SAMPLES or not pids:
+            return False
+        os.kill(pids[0], signal.SIGKILL)
+        run.killed["rollout"] = pids[0]
+        return True
+    finally:
+        for process in engine:
+            process.send_signal(signal.SIGCONT)
+
+
 def _kill_during_steps(run: ChaosRun, api_url: str, stop: threading.Event) -> None:
     """SIGKILL a replica of each role of `KILLS` once its step has written a few episodes;
     around the api's kill, ask the run's REST API about the run."""
     pending = dict(KILLS)
     while pending and not stop.is_set():
         for role, step in list(pending.items()):
-            written = run.run_dir / "trajectories" / f"step_{step}.jsonl"
-            if (
-                written.is_file()
-                and len(written.read_text().splitlines()) >= 1
-                and (role != "actor" or _trained(run.run_dir, step - 1))
+            if _written(run.run_dir, step) >= 1 and (
+                role != "actor" or _trained(run.run_dir, step - 1)
             ):
+                if role == "rollout":
+                    if _kill_a_rollout_replica_holding_a_group(run, step):
+                        del pending[role]
+                    else:
+                        pending[role] = step + 1
+                    continue
                 pids = replica_pids(role, within=os.getpid())
                 if pids:
                     if role == "api":
