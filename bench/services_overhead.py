@@ -7,18 +7,24 @@ run: `toy` (the default; the toy tool task, tiny model warm-started on the call 
 episodes per step, `max_staleness=1`: an episode is a few dozen tokens of a tiny model, so the
 services' cost per episode weighs the most) or `calculator` (`make run`'s job: SmolLM2-135M,
 24 episodes per step, `max_staleness=1`, as `examples/calculator/train.yaml` sets it). Step
-time is the control loop's `perf/step_seconds`, median over the steps of every round of a mode
-after its first `WARMUP_STEPS` (the first steps of a run also pay for warm pools and first
-compilations); start-up (Ray, Serve deployments, engine, model) is reported apart.
+time is the control loop's `perf/step_seconds`, the mean over the steps of every round of a
+mode after its first `WARMUP_STEPS` (the first steps of a run also pay for warm pools and first
+compilations): wall seconds per trained step, the inverse of steps per hour. Not the median:
+at `max_staleness=1` a step whose next rollout had already finished takes a fraction of one
+that waited for it, and the median of such a two-humped distribution jumps between the humps
+from one invocation to the next (the median is reported too, `step_seconds_median_*`).
+Start-up (Ray, Serve deployments, engine, model) is reported apart.
 
 Prints ONE JSON line: `step_seconds_services`, `step_seconds_in_process`, `ratio` (services /
-in process), the episodes per second of each, the median rollout and optimizer-step seconds of
-each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds of each, the CPU seconds per
-measured step spent by each kind of process of the run (`cpu_per_step_*`: the driver, each
-role's replicas, Serve's controller, Ray's daemons, the engine, sandboxes), the whole
-machine's busy CPU seconds per measured step (`machine_cpu_per_step_*`, from `/proc/stat`:
-what the per-kind figures miss, processes that live less than a sampling period such as a tool
-call's sandbox, and the kernel's own work), and the load average.
+in process), `ratio_per_round` (the same from each round's pair of runs alone), the episodes
+per second of each (episodes trained over the measured steps' wall time), the median rollout
+and optimizer-step seconds of each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds
+of each, the CPU seconds per measured step spent by each kind of process of the run
+(`cpu_per_step_*`: the driver, each role's replicas, Serve's controller, Ray's daemons, the
+engine, sandboxes), the whole machine's busy CPU seconds per measured step
+(`machine_cpu_per_step_*`, from `/proc/stat`: what the per-kind figures miss, processes that
+live less than a sampling period such as a tool call's sandbox, and the kernel's own work), and
+the load average.
 
     .venv/bin/python bench/services_overhead.py [--task toy|calculator] [--steps 10]
         [--rounds 2] [--set KEY=VALUE]
@@ -164,8 +170,9 @@ def main() -> None:
     if args.task == "toy":  # its siblings' names (`agent`) are the calculator's too
         sys.path.insert(0, str(TOY))
 
-    steps: dict[str, list[float]] = {"in_process": [], "services": []}
-    episodes: dict[str, list[float]] = {"in_process": [], "services": []}
+    steps: dict[str, list[list[float]]] = {"in_process": [], "services": []}
+    """Mode -> per round, the measured steps' seconds."""
+    episodes: dict[str, float] = {"in_process": 0.0, "services": 0.0}
     startup: dict[str, list[float]] = {"in_process": [], "services": []}
     phases: dict[str, dict[str, list[float]]] = {
         mode: {"rollout": [], "train": []} for mode in ("in_process", "services")
@@ -189,13 +196,14 @@ def main() -> None:
                     cpu[mode][kind] = cpu[mode].get(kind, 0.0) + seconds
                 machine[mode] += sampler.machine_between(*measured)
                 kept = metrics[WARMUP_STEPS:]
-                steps[mode] += [m["perf/step_seconds"] for m in kept]
-                episodes[mode] += [m["episodes/count"] / m["perf/step_seconds"] for m in kept]
+                steps[mode].append([m["perf/step_seconds"] for m in kept])
+                episodes[mode] += sum(m["episodes/count"] for m in kept)
                 startup[mode].append(result["startup_s"])
                 for phase in ("rollout", "train"):
                     phases[mode][phase] += [m[f"perf/{phase}_seconds"] for m in kept]
-    services = statistics.median(steps["services"])
-    in_process = statistics.median(steps["in_process"])
+    every = {mode: [s for run in runs for s in run] for mode, runs in steps.items()}
+    services = statistics.mean(every["services"])
+    in_process = statistics.mean(every["in_process"])
     print(
         json.dumps(
             {
@@ -204,8 +212,18 @@ def main() -> None:
                 "step_seconds_services": round(services, 3),
                 "step_seconds_in_process": round(in_process, 3),
                 "ratio": round(services / in_process, 3),
-                "episodes_per_s_services": round(statistics.median(episodes["services"]), 2),
-                "episodes_per_s_in_process": round(statistics.median(episodes["in_process"]), 2),
+                "ratio_per_round": [
+                    round(statistics.mean(ours) / statistics.mean(theirs), 3)
+                    for ours, theirs in zip(steps["services"], steps["in_process"], strict=True)
+                ],
+                **{
+                    f"step_seconds_median_{mode}": round(statistics.median(values), 3)
+                    for mode, values in every.items()
+                },
+                **{
+                    f"episodes_per_s_{mode}": round(episodes[mode] / sum(values), 2)
+                    for mode, values in every.items()
+                },
                 **{
                     f"{phase}_seconds_{mode}": round(statistics.median(values), 3)
                     for mode, by_phase in phases.items()
@@ -213,19 +231,19 @@ def main() -> None:
                 },
                 **{
                     f"cpu_per_step_{mode}": {
-                        kind: round(seconds / len(steps[mode]), 3)
+                        kind: round(seconds / len(every[mode]), 3)
                         for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1])
-                        if seconds / len(steps[mode]) >= 0.01
+                        if seconds / len(every[mode]) >= 0.01
                     }
                     for mode, by_kind in cpu.items()
                 },
                 **{
-                    f"machine_cpu_per_step_{mode}": round(seconds / len(steps[mode]), 3)
+                    f"machine_cpu_per_step_{mode}": round(seconds / len(every[mode]), 3)
                     for mode, seconds in machine.items()
                 },
                 "startup_s_services": round(statistics.median(startup["services"]), 1),
                 "startup_s_in_process": round(statistics.median(startup["in_process"]), 1),
-                "steps_measured_per_mode": len(steps["services"]),
+                "steps_measured_per_mode": len(every["services"]),
                 "rounds": args.rounds,
                 "services_overrides": args.set,
                 "load_avg_1m": round(os.getloadavg()[0], 2),
