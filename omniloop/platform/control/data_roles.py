@@ -52,7 +52,11 @@ class RolloutServer:
             serve.get_app_handle("sandbox"), config.rollout.sandbox, config.services.sandbox_wait_s
         )
         self._stack.push_async_callback(sandboxes.aclose)
-        rewards = remote_rewards(config.rollout.rewards, serve.get_app_handle("reward"))
+        rewards = remote_rewards(
+            config.rollout.rewards,
+            serve.get_app_handle("reward"),
+            config.services.reward_batch_wait_s,
+        )
         self._runner = await self._stack.enter_async_context(
             episode_runner(config, engine, rewards=rewards, sandboxes=sandboxes)
         )

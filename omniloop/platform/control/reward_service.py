@@ -1,8 +1,11 @@
 """The reward role: reward functions in processes of their own (a Ray Serve deployment).
 
 A rollout replica scores each episode through `RemoteReward`s, one per configured reward,
-which satisfy `RewardFn` and call the `reward` deployment, where the real functions run. What a
-misbehaving reward costs:
+which satisfy `RewardFn` and call the `reward` deployment, where the real functions run. The
+evaluations of one reward that arrive within `services.reward_batch_wait_s` of each other (a
+GRPO group's episodes end close together) travel as one call, `RewardServer.evaluate_many`,
+whose answer streams each evaluation's result back as it finishes: one slow evaluation holds
+back no other. What a misbehaving reward costs:
 
 - one that **raises** or returns garbage: that episode is `reward_error` (as in process);
 - one that **crashes its process** (a segfault, `os._exit`): only its replica dies, and every
@@ -27,10 +30,17 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from omniloop.rewards import RewardFn
-from omniloop.rewards.base import RewardScore, Transcript, as_reward_fn, reward_inputs
+from omniloop.rewards.base import (
+    RewardError,
+    RewardScore,
+    Transcript,
+    as_reward_fn,
+    reward_inputs,
+)
 from omniloop.trajectory import Trajectory
 
 HANG_GRACE_S = 5.0
@@ -38,6 +48,12 @@ HANG_GRACE_S = 5.0
 REFUSED_PAUSE_S = 0.2
 """Seconds before a call the deployment refused (its queue was full) is sent again."""
 WATCHDOG_PERIOD_S = 0.1
+MAX_BATCH = 256
+"""Most evaluations in one call to the reward role; a full batch is sent at once."""
+
+Evaluation = tuple[dict[str, Any], str, Transcript | None, Trajectory | None]
+"""What one evaluation sends: the task, the response, and the transcript and trajectory where
+the reward reads them (else None)."""
 """How often the memory watchdog looks at the replica's resident memory."""
 
 
@@ -81,6 +97,25 @@ class RewardServer:
         finally:
             del self._running[key]
 
+    async def evaluate_many(
+        self, name: str, evaluations: list[Evaluation]
+    ) -> AsyncGenerator[list[tuple[int, RewardScore | str]]]:
+        """Evaluate `evaluations` side by side; yield `(index, score)` for those that finished
+        together, as they finish, a failure as `"ErrorType: message"` (called with
+        `stream=True`). The caller's timeout bounds each one; a hung evaluation is left to the
+        health check."""
+        running = {
+            asyncio.ensure_future(self.evaluate(name, *evaluation)): index
+            for index, evaluation in enumerate(evaluations)
+        }
+        try:
+            while running:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                yield [(running.pop(future), _score_or_error(name, future)) for future in done]
+        finally:
+            for future in running:
+                future.cancel()
+
     async def check_health(self) -> None:
         now = time.monotonic()
         late = [d for d in self._running.values() if now > d + HANG_GRACE_S]
@@ -99,15 +134,31 @@ def _watch_memory(limit_bytes: int) -> None:
         time.sleep(WATCHDOG_PERIOD_S)
 
 
-class RemoteReward:
-    """A `RewardFn` whose evaluation runs on the reward deployment (module docstring)."""
+def _score_or_error(name: str, future: asyncio.Future[RewardScore]) -> RewardScore | str:
+    """The evaluation's score, or what it failed with in words, for its caller's `RewardError`."""
+    error = future.exception()
+    if error is None:
+        return future.result()
+    if isinstance(error, RewardError):
+        return str(error)
+    return f"reward {name!r} raised {type(error).__name__}: {error}"
 
-    def __init__(self, fn: RewardFn, handle: Any) -> None:
+
+class RemoteReward:
+    """A `RewardFn` whose evaluation runs on the reward deployment (module docstring): the
+    evaluations that arrive within `batch_wait_s` of the first go as one call."""
+
+    def __init__(self, fn: RewardFn, handle: Any, batch_wait_s: float = 0.0) -> None:
         self.name = fn.name
         self.weight = fn.weight
         self.timeout = fn.timeout
         self.inputs = reward_inputs(fn)
-        self._handle = handle
+        self._handle = handle.options(stream=True)
+        self._batch_wait_s = batch_wait_s
+        self._waiting: list[tuple[Evaluation, asyncio.Future[RewardScore]]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self._calls: set[asyncio.Task[None]] = set()
+        """Calls under way, held until they end (their callers await futures, not them)."""
 
     async def evaluate(
         self,
@@ -117,28 +168,76 @@ class RemoteReward:
         transcript: Transcript | None = None,
         trajectory: Trajectory | None = None,
     ) -> RewardScore:
-        from ray.serve.exceptions import BackPressureError
-
         # Only what the function reads travels (a trajectory is the bulk of an episode).
         if "transcript" not in self.inputs:
             transcript = None
         if "trajectory" not in self.inputs:
             trajectory = None
-        while True:
-            call = self._handle.evaluate.remote(self.name, task, response, transcript, trajectory)
-            try:
-                result: RewardScore = await call
-            except BackPressureError:
-                await asyncio.sleep(REFUSED_PAUSE_S)
-                continue
-            except asyncio.CancelledError:
-                call.cancel()
-                raise
-            return result
+        score: asyncio.Future[RewardScore] = asyncio.get_running_loop().create_future()
+        self._waiting.append(((task, response, transcript, trajectory), score))
+        if len(self._waiting) >= MAX_BATCH:
+            self._send()
+        elif self._sender is None:
+            self._sender = asyncio.create_task(self._send_after_wait())
+        return await score
+
+    async def _send_after_wait(self) -> None:
+        await asyncio.sleep(self._batch_wait_s)
+        self._sender = None
+        self._send()
+
+    def _send(self) -> None:
+        batch, self._waiting = self._waiting, []
+        if batch:
+            call = asyncio.create_task(self._call(batch))
+            self._calls.add(call)
+            call.add_done_callback(self._calls.discard)
+
+    async def _call(self, batch: list[tuple[Evaluation, asyncio.Future[RewardScore]]]) -> None:
+        """One call for `batch`: each caller's future gets its result as it streams back, or
+        the call's failure (a replica that died fails every evaluation it held). Once every
+        caller has its result or has given up (timed out, cancelled), the call is cancelled."""
+        from ray.serve.exceptions import BackPressureError
+
+        scores = [score for _, score in batch]
+        me = asyncio.current_task()
+        assert me is not None
+
+        def given_up(_: object) -> None:
+            if all(s.done() for s in scores) and any(s.cancelled() for s in scores):
+                me.cancel()
+
+        for score in scores:
+            score.add_done_callback(given_up)
+        try:
+            while True:
+                stream = self._handle.evaluate_many.remote(self.name, [e for e, _ in batch])
+                ended = False
+                try:
+                    async for finished in stream:
+                        for index, result in finished:
+                            if scores[index].done():
+                                continue
+                            if isinstance(result, str):
+                                scores[index].set_exception(RewardError(result))
+                            else:
+                                scores[index].set_result(result)
+                    ended = True
+                    return
+                except BackPressureError:
+                    await asyncio.sleep(REFUSED_PAUSE_S)
+                finally:
+                    if not ended:
+                        stream.cancel()
+        except Exception as err:
+            for score in scores:
+                if not score.done():
+                    score.set_exception(err)
 
 
-def remote_rewards(specs: list[str], handle: Any) -> list[RewardFn]:
-    """The configured rewards (names, weights, timeouts as configured), evaluated remotely."""
+def remote_rewards(specs: list[str], handle: Any, batch_wait_s: float) -> list[RewardFn]:
+    """The configured rewards (names, weights, timeouts as configured), evaluated remotely,
+    gathered into a call for `batch_wait_s`."""
     from omniloop.platform.control.components import build_rewards
 
-    return [RemoteReward(as_reward_fn(fn), handle) for fn in build_rewards(specs)]
+    return [RemoteReward(as_reward_fn(fn), handle, batch_wait_s) for fn in build_rewards(specs)]

@@ -90,6 +90,10 @@ class ServicesConfig(StrictModel):
     sandbox_wait_s: float = Field(default=60.0, gt=0)
     """Seconds an episode waits for a sandbox replica to answer (one is being replaced) before
     it fails as `sandbox_error`."""
+    reward_batch_wait_s: float = Field(default=0.05, ge=0)
+    """Seconds a rollout replica gathers the evaluations of a reward after the first, to send
+    them to the reward role as one call (a GRPO group's episodes end close together); each
+    result comes back as it finishes. 0: those that arrive at the same moment."""
     reward_memory_mb: int = Field(default=2048, ge=64)
     """Resident memory past which a reward replica ends itself (a runaway reward)."""
     api: bool = True
