@@ -66,9 +66,9 @@ class RolloutServer:
 
     async def episodes(
         self, step: int, indices: list[int], attempt: int
-    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
-        """A group's episodes, each streamed back as it is written (`EpisodeRunner.run_group`;
-        called with `stream=True`)."""
+    ) -> AsyncGenerator[list[tuple[int, EpisodeSummary]]]:
+        """A group's episodes, streamed back as they are written, those written at the same
+        moment in one message (`EpisodeRunner.run_group`; called with `stream=True`)."""
         async with contextlib.aclosing(self._runner.run_group(step, indices, attempt)) as group:
             async for done in group:
                 yield done

@@ -285,9 +285,10 @@ class EpisodeRunner:
 
     async def run_group(
         self, step: int, indices: Sequence[int], attempt: int = 0
-    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+    ) -> AsyncGenerator[list[tuple[int, EpisodeSummary]]]:
         """Run episodes `indices` of step `step` side by side (`run`), yielding `(index,
-        summary)` for each as it is written; then raise the first error one of them raised
+        summary)` for each as it is written, those written at the same moment in one list (in
+        index order); then raise the first error one of them raised
         (`step_rollout.EpisodesCall`). Closed early, it cancels the episodes still running."""
         runs = {asyncio.ensure_future(self.run(step, i, attempt)): i for i in indices}
         pending = set(runs)
@@ -295,12 +296,11 @@ class EpisodeRunner:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for run in done:
-                    error = run.exception()
-                    if error is None:
-                        yield runs[run], run.result()
-                    elif failure is None:
-                        failure = error
+                errors = [error for run in done if (error := run.exception()) is not None]
+                failure = failure or (errors[0] if errors else None)
+                written = [(runs[run], run.result()) for run in done if run.exception() is None]
+                if written:
+                    yield sorted(written, key=lambda pair: pair[0])
         finally:
             for run in pending:
                 run.cancel()

@@ -345,8 +345,8 @@ async def service_roles(
 
         async def episodes(
             step: int, indices: list[int], attempt: int
-        ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
-            stream: DeploymentResponseGenerator[tuple[int, EpisodeSummary]]
+        ) -> AsyncGenerator[list[tuple[int, EpisodeSummary]]]:
+            stream: DeploymentResponseGenerator[list[tuple[int, EpisodeSummary]]]
             stream = streaming.episodes.remote(step, indices, attempt)  # type: ignore[assignment]
             try:
                 async for done in stream:

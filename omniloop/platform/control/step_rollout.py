@@ -21,12 +21,13 @@ from omniloop.platform.control.controller import EpisodeSummary, RolloutReport
 from omniloop.platform.control.faults import Retry
 from omniloop.platform.control.local import EpisodeCallback, uniform_rewards
 
-EpisodesCall = Callable[[int, list[int], int], AsyncGenerator[tuple[int, EpisodeSummary]]]
+EpisodesCall = Callable[[int, list[int], int], AsyncGenerator[list[tuple[int, EpisodeSummary]]]]
 """`(step, indices, attempt)`: runs episodes `indices` of step `step`'s plan as attempt
 `attempt`, wherever they run, and yields `(index, summary)` for each once it is written, in
-the order they end. What cut an episode off (its replica, or a replica of a role its work
-used) is raised after the others have been yielded; the caller runs the episodes not yielded
-again (`EpisodeRunner.run_group`)."""
+the order they end, those written at the same moment in one list (one message of a streamed
+answer). What cut an episode off (its replica, or a replica of a role its work used) is raised
+after the others have been yielded; the caller runs the episodes not yielded again
+(`EpisodeRunner.run_group`)."""
 
 
 class Slots:
@@ -174,12 +175,13 @@ class StepRollout:
             held = await self._slots.take(len(left))
             try:
                 async with contextlib.aclosing(self._episodes(step, left, attempt)) as stream:
-                    async for index, summary in stream:
-                        written[index] = summary
-                        if held:
-                            held -= 1
-                            self._slots.give_back()
-                        self._on_episode(step, 1)
+                    async for ended in stream:
+                        for index, summary in ended:
+                            written[index] = summary
+                            if held:
+                                held -= 1
+                                self._slots.give_back()
+                            self._on_episode(step, 1)
             finally:
                 self._slots.give_back(held)
 

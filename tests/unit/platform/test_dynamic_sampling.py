@@ -26,12 +26,12 @@ def _rollout(rewards: dict[int, float], extra_groups: int) -> tuple[StepRollout,
 
     async def episodes(
         step: int, indices: list[int], attempt: int
-    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+    ) -> AsyncGenerator[list[tuple[int, EpisodeSummary]]]:
         for index in indices:
             asked.append(index)
             await asyncio.sleep(0)
             reward = rewards.get(index, float(index % 2))
-            yield index, EpisodeSummary(f"e{index}", reward, False, "stop", 1, 1, 1)
+            yield [(index, EpisodeSummary(f"e{index}", reward, False, "stop", 1, 1, 1))]
 
     async def nothing(step: int) -> None:
         return None

@@ -154,8 +154,8 @@ def test_a_group_runs_side_by_side_and_reports_each_episode_as_it_is_written(
     async def main() -> tuple[list[int], BaseException | None]:
         reported: list[int] = []
         try:
-            async for index, _ in runner.run_group(1, [0, 1, 2, 3]):
-                reported.append(index)
+            async for ended in runner.run_group(1, [0, 1, 2, 3]):
+                reported += [index for index, _ in ended]
         except RoleLost as err:
             return reported, err
         return reported, None
@@ -196,7 +196,7 @@ def test_a_group_closed_early_cancels_the_episodes_still_running(
 
     async def main() -> int:
         group = runner.run_group(0, [0, 1, 2])
-        index, _ = await anext(group)
+        [(index, _)] = await anext(group)
         await group.aclose()
         return index
 

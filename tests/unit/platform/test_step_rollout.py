@@ -38,7 +38,7 @@ class Calls:
 
     async def __call__(
         self, step: int, indices: list[int], attempt: int
-    ) -> AsyncGenerator[tuple[int, EpisodeSummary]]:
+    ) -> AsyncGenerator[list[tuple[int, EpisodeSummary]]]:
         self.calls.append((list(indices), attempt))
         queue: asyncio.Queue[int] = asyncio.Queue()
 
@@ -54,7 +54,7 @@ class Calls:
         for _ in indices:
             index = await queue.get()
             if index not in lost:
-                yield index, _summary(index, attempt)
+                yield [(index, _summary(index, attempt))]
         await asyncio.gather(*runs)
         if lost:
             raise RoleLost(f"episodes {lost}: their sandbox replica died", "sandbox")
