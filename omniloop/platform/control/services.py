@@ -19,7 +19,8 @@ attaching to the actor, a rollout replica's handles) waits for it through Serve:
   group (`step_rollout`), whose episodes stream back as each is written; each replica has
   its own data-plane client and store connection, reaches engines through an `EngineRouter`
   over the actor's rotation (session affinity per episode), sandboxes through
-  `ServiceSandboxes` and rewards through `RemoteReward`s, and runs up to its share of
+  `ServiceSandboxes` and rewards through `RemoteReward`s (the evaluations of a moment in one
+  call, `services.reward_batch_wait_s`), and runs up to its share of
   `rollout.concurrency` episodes at once, taking the groups that fill it
   (`max_ongoing_requests`, `services.rollout_groups_per_replica`).
 - `advantage` (`data_roles.AdvantageServer`): one request per step, which reads the step

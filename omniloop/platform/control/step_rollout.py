@@ -2,11 +2,11 @@
 
 A GRPO group (the `samples_per_task` episodes of one task) is the rollout's unit of work: it is
 sent as one call (`EpisodesCall`: in this process, or one Ray Serve request to a rollout
-replica, whose answer streams each episode back as it is written), runs side by side in one
-place (its episodes share their prompt, which an engine prefills once when they arrive
-together), and is what the advantage stage waits for anyway. Per group rather than per
-episode, a step of the toy task costs its controller and rollout replica 4 Serve requests
-instead of 32.
+replica, whose answer streams each episode back as it is written, those written at the same
+moment in one message), runs side by side in one place (its episodes share their prompt, which
+an engine prefills once when they arrive together), and is what the advantage stage waits for
+anyway. Per group rather than per episode, a step of the toy task costs its controller and
+rollout replica 4 Serve requests instead of 32.
 """
 
 from __future__ import annotations
