@@ -101,9 +101,9 @@ class RewardServer:
         self, name: str, evaluations: list[Evaluation]
     ) -> AsyncGenerator[list[tuple[int, RewardScore | str]]]:
         """Evaluate `evaluations` side by side; yield `(index, score)` for those that finished
-        together, as they finish, a failure as `"ErrorType: message"` (called with
-        `stream=True`). The caller's timeout bounds each one; a hung evaluation is left to the
-        health check."""
+        together, as they finish, a failure as the message of its caller's `RewardError`
+        (called with `stream=True`). The caller's timeout bounds each one; a hung evaluation is
+        left to the health check."""
         running = {
             asyncio.ensure_future(self.evaluate(name, *evaluation)): index
             for index, evaluation in enumerate(evaluations)
