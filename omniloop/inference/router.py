@@ -73,6 +73,9 @@ class EngineRouter:
         """Unreachable engines, with when they may be tried again."""
         self._sessions: OrderedDict[str, str] = OrderedDict()
         """Session key -> the URL of its engine."""
+        self._held: dict[str, int] = {}
+        """URL -> how many of `_sessions` are on it (kept with `_sessions`, so that a pick
+        costs the same after a hundred thousand sessions as after one)."""
 
     @classmethod
     def over(cls, urls: Sequence[str], **kwargs: Any) -> EngineRouter:
@@ -178,17 +181,23 @@ class EngineRouter:
             if url in usable:
                 self._sessions.move_to_end(key)
                 return url
-        load: dict[str, int] = dict.fromkeys(usable, 0)
-        for held in self._sessions.values():
-            if held in load:
-                load[held] += 1
-        url = min(usable, key=lambda u: (self._in_flight.get(u, 0), load[u]))
+        url = min(usable, key=lambda u: (self._in_flight.get(u, 0), self._held.get(u, 0)))
         if key is not None:
-            self._sessions[key] = url
-            self._sessions.move_to_end(key)
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
+            self._hold(key, url)
         return url
+
+    def _hold(self, key: str, url: str) -> None:
+        """Remember session `key` on `url` (most recently used), forgetting the least recently
+        used sessions past `MAX_SESSIONS`."""
+        moved_from = self._sessions.get(key)
+        if moved_from is not None:
+            self._held[moved_from] -= 1
+        self._sessions[key] = url
+        self._sessions.move_to_end(key)
+        self._held[url] = self._held.get(url, 0) + 1
+        while len(self._sessions) > MAX_SESSIONS:
+            _, forgotten = self._sessions.popitem(last=False)
+            self._held[forgotten] -= 1
 
     def _set_aside(self, url: str) -> None:
         log.warning("engine %s did not answer; its sessions move to other engines", url)
