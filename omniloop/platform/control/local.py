@@ -296,9 +296,12 @@ class EpisodeRunner:
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                errors = [error for run in done if (error := run.exception()) is not None]
-                failure = failure or (errors[0] if errors else None)
-                written = [(runs[run], run.result()) for run in done if run.exception() is None]
+                written = []
+                for run in done:
+                    if (error := run.exception()) is None:
+                        written.append((runs[run], run.result()))
+                    else:
+                        failure = failure or error
                 if written:
                     yield sorted(written, key=lambda pair: pair[0])
         finally:

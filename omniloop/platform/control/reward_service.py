@@ -80,7 +80,7 @@ class RewardServer:
         limit = memory_mb * 1024 * 1024
         threading.Thread(target=_watch_memory, args=(limit,), daemon=True).start()
 
-    async def evaluate(
+    async def _evaluate(
         self,
         name: str,
         task: dict[str, Any],
@@ -105,7 +105,7 @@ class RewardServer:
         (called with `stream=True`). The caller's timeout bounds each one; a hung evaluation is
         left to the health check."""
         running = {
-            asyncio.ensure_future(self.evaluate(name, *evaluation)): index
+            asyncio.ensure_future(self._evaluate(name, *evaluation)): index
             for index, evaluation in enumerate(evaluations)
         }
         try:

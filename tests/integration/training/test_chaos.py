@@ -109,9 +109,9 @@ def _kill_a_rollout_replica_holding_a_group(run: ChaosRun, step: int) -> bool:
     rollout replica that has a group keeps it; once no episode has been written for two
     seconds, SIGKILL a rollout replica if at least two of `step`'s groups are unwritten (each of
     the two replicas holds one: Serve hands a waiting group to a free replica within a second),
-    and resume the engine.
-    Toy episodes end in a fraction of a second, so without the pause a replica could be found
-    between groups. False, with nothing killed, when fewer groups were left."""
+    and resume the engine. Toy episodes end in a fraction of a second, so without the pause a
+    replica could be found between groups. False, with nothing killed, when fewer groups were
+    left."""
     engine = [
         child
         for pid in replica_pids("engine", within=os.getpid())
