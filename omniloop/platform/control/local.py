@@ -34,6 +34,7 @@ import os
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -70,6 +71,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+PLANS_KEPT = 16
+"""Steps whose episode plans an `EpisodeRunner` keeps: at most `max_staleness + 1` steps run
+at once; past 15, a step's plan may be built more than once."""
 
 ADVANTAGE_FIELDS = ("reward", "loss_mask", "meta")
 """What the advantage stage reads."""
@@ -226,6 +231,8 @@ class EpisodeRunner:
         self._sandboxes = sandboxes
         self._data = data
         self._limit = asyncio.Semaphore(config.rollout.concurrency)
+        self._plans: OrderedDict[int, list[tuple[Task, EpisodeSettings]]] = OrderedDict()
+        """Step -> its plan, the least recently asked for first (`plan`)."""
         self._out_dir = Path(config.rollout.output)
         self._out_dir.mkdir(parents=True, exist_ok=True)
         self._writer = EpisodeWriter(
@@ -234,7 +241,18 @@ class EpisodeRunner:
 
     def plan(self, step: int) -> list[tuple[Task, EpisodeSettings]]:
         """Step `step`'s episodes, in their stable order; after them, those of the extra groups
-        dynamic sampling may run (`extra{j}/` in their episode and group ids)."""
+        dynamic sampling may run (`extra{j}/` in their episode and group ids). The plans of the
+        latest `PLANS_KEPT` steps asked for are kept: every episode of a step looks its own
+        up, and building the plan of a step of 512 episodes once per episode took 2 s of CPU."""
+        plan = self._plans.get(step)
+        if plan is None:
+            plan = self._plans[step] = self._build_plan(step)
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        self._plans.move_to_end(step)
+        return plan
+
+    def _build_plan(self, step: int) -> list[tuple[Task, EpisodeSettings]]:
         per_step, extra = self._config.tasks_per_step, self._config.dynamic_sampling
         tasks = step_tasks(self._tasks, step, per_step, extra)
         plan = list(episode_plan(self._config.rollout, tasks[:per_step], prefix=f"step{step}/"))

@@ -202,3 +202,30 @@ def test_a_group_closed_early_cancels_the_episodes_still_running(
 
     assert asyncio.run(asyncio.wait_for(main(), 5)) == 0
     assert sorted(cancelled) == ["step0/t0/1", "step0/t1/0"]
+
+
+def test_a_steps_plan_is_built_once_while_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[int] = []
+    build = EpisodeRunner._build_plan
+
+    def counted(runner: EpisodeRunner, step: int) -> list[tuple[Task, EpisodeSettings]]:
+        built.append(step)
+        return build(runner, step)
+
+    monkeypatch.setattr(EpisodeRunner, "_build_plan", counted)
+    runner = _runner(Rows(), tmp_path)
+    first = runner.plan(0)
+    assert [s.episode_id for _, s in first] == [f"step0/t{t}/{k}" for t in (0, 1) for k in (0, 1)]
+    assert all(runner.plan(0) is first for _ in range(4))
+    for step in range(1, local.PLANS_KEPT):  # step 0 is asked for again: the latest used
+        runner.plan(step)
+        runner.plan(0)
+    assert built.count(0) == 1
+    runner.plan(local.PLANS_KEPT)  # one more step: the least recently asked for goes
+    assert runner.plan(0) is first
+    assert built.count(1) == 1
+    again = runner.plan(1)  # built anew, the same
+    assert built.count(1) == 2
+    assert [s.episode_id for _, s in again] == [f"step1/t{t}/{k}" for t in (0, 1) for k in (0, 1)]
