@@ -5,7 +5,9 @@ do and in which order, and records what they report:
 
     for each step k:
         rollout(k) and advantages(k)   started as soon as the staleness gate allows k,
-        (reference, teacher, critic)   i.e. k - steps_trained <= max_staleness
+        (reference, teacher, critic)   i.e. k - steps_trained <= max_staleness (and no more
+                                       steps at once than the episodes' slots can start:
+                                       `production_window`)
         train(k)                       streams step k's micro-batches from the data plane
         sync(version)                  every engine serves the new weights...
         gate.advance(k + 1)            ...before any rollout that the advance releases starts
@@ -38,6 +40,7 @@ records belong to weights that no longer exist.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from omniloop.errors import OmniloopError
 from omniloop.platform.control.metrics import step_metrics
 from omniloop.platform.control.run_config import RunConfig
-from omniloop.platform.control.staleness import StalenessGate
+from omniloop.platform.control.staleness import StalenessGate, staleness_bound
 from omniloop.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -260,11 +263,23 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
         rollout, *stage_metrics = await _together(roles.rollout.generate(step), *stages)
         return rollout, {key: v for metrics in stage_metrics for key, v in metrics.items()}
 
-    production = {k: asyncio.create_task(produce(k)) for k in range(start, config.steps)}
+    production: dict[int, asyncio.Task[tuple[RolloutReport, dict[str, float]]]] = {}
+    upcoming, window, stopping = iter(range(start, config.steps)), production_window(config), False
+
+    def launch(_: object = None) -> None:
+        """Start producing the next steps while fewer than `window` are under way."""
+        while not stopping and sum(not t.done() for t in production.values()) < window:
+            if (k := next(upcoming, None)) is None:
+                return
+            production[k] = asyncio.create_task(produce(k))
+            production[k].add_done_callback(launch)
+
+    launch()
     last = time.perf_counter()
 
     async def train_and_publish(step: int) -> bool:
         nonlocal last
+        launch()
         # The actor streams step k's rows while they are still being produced. (Shielded: if
         # the actor is lost, the step's rows are still wanted, by the restored actor.)
         trained, (rollout, advantages) = await _together(
@@ -304,10 +319,23 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
                 continue
             step += 1
     finally:
+        stopping = True
         gate.close()
         for task in production.values():
             task.cancel()
         await asyncio.gather(*production.values(), return_exceptions=True)
+
+
+def production_window(config: RunConfig) -> int:
+    """How many steps' production (rollout and stages) `train_loop` has under way at once:
+    the steps the staleness gate can release (`max_staleness + 1`), but no more than the steps
+    whose episodes `rollout.concurrency` lets run side by side, and two more (one ending, one
+    starting). A step started past those would only wait: for episode slots, and its stages
+    on the data plane, which the readers of every step of a long run (`max_staleness: inf`)
+    would keep busy."""
+    episodes = config.tasks_per_step * config.rollout.samples_per_task
+    concurrent = math.ceil(config.rollout.concurrency / episodes) + 2
+    return int(min(staleness_bound(config.max_staleness) + 1, concurrent))
 
 
 def _infra_cause(rollout: RolloutReport, bound: float) -> str:
