@@ -3,10 +3,12 @@ child that dies with its parent, and a stop that escalates."""
 
 from __future__ import annotations
 
+import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 # Below the kernel's ephemeral range (where outgoing connections and `bind(0)` take their
@@ -43,13 +45,27 @@ def _ephemeral_low() -> int:
         return 0
 
 
-def die_with_parent() -> None:
-    """A `preexec_fn`: in the child, before exec, be sent SIGKILL when the thread that started
-    it ends (so spawn from a thread that lives as long as the child should: an event loop's)."""
-    import ctypes
+# Run by a fresh interpreter between the parent and `command`: ask for SIGKILL when the thread
+# that spawned it ends, give up if the parent is gone already (the request would then be
+# about the reaper), and become `command`; the request survives the exec.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    os._exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+def dying_with_parent(command: list[str]) -> list[str]:
+    """`command`, made to be sent SIGKILL by the kernel when the thread that spawns it ends
+    (spawn it from a thread that lives as long as the child should: an event loop's).
+
+    Linux only (`PR_SET_PDEATHSIG`). The request is made in the child by a small interpreter
+    that then execs `command`, not in a `preexec_fn`: that runs Python between `fork` and
+    `exec`, which is unsafe in a process with threads (a Ray worker's gRPC threads: a child
+    forked so can abort before its `exec`)."""
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *command]
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:

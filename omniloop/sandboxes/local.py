@@ -27,7 +27,7 @@ from typing import IO
 import httpx
 
 from omniloop.errors import SandboxError
-from omniloop.processes import die_with_parent, stop_process
+from omniloop.processes import dying_with_parent, stop_process
 from omniloop.sandboxes.base import Sandbox
 from omniloop.sandboxes.config import SandboxConfig
 from omniloop.sandboxes.remote import SandboxClient
@@ -207,13 +207,12 @@ def _spawn(
 ) -> subprocess.Popen[bytes]:
     # Without a log, warnings go to this process's stderr.
     return subprocess.Popen(
-        command,
+        dying_with_parent(command),
         env=env,
         pass_fds=(fd,),
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL if log is None else log,
         stderr=log,
-        preexec_fn=die_with_parent,
     )
 
 

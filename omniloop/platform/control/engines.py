@@ -15,8 +15,7 @@ import httpx
 
 from omniloop.errors import EngineError
 from omniloop.modalities.config import MediaConfig
-from omniloop.processes import die_with_parent as _die_with_parent
-from omniloop.processes import free_port, stop_process
+from omniloop.processes import dying_with_parent, free_port, stop_process
 
 
 def engine_command(
@@ -76,24 +75,16 @@ def spawn_engine(
     port = free_port()
     url = f"http://{host}:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    preexec = _die_with_parent if die_with_parent else None
+    command = engine_command(model, port, threads, media, host)
+    if die_with_parent:
+        command = dying_with_parent(command)
     if log_path is None:
         proc = subprocess.Popen(
-            engine_command(model, port, threads, media, host),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            preexec_fn=preexec,
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env
         )
     else:
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                engine_command(model, port, threads, media, host),
-                stdout=log,
-                stderr=log,
-                env=env,
-                preexec_fn=preexec,
-            )
+            proc = subprocess.Popen(command, stdout=log, stderr=log, env=env)
     return proc, url
 
 
