@@ -6,7 +6,9 @@ writer puts `--trajectories` trajectories of `--tokens` tokens (rollout fields i
 puts, then their rewards), closes the step, and the reader streams the step back in
 `--micro-batch` micro-batches with every field the actor reads. Reported, as medians over
 `--rounds` rounds after one warm-up round: seconds to put the step, seconds to read it, and
-trajectories and MiB per second end to end (put + read, the data the trainer receives).
+trajectories and MiB per second end to end (put + read, the data the trainer receives), and
+the size of the reader's consumed-id record (`consumed_state`, what each checkpoint saves) once
+every round's step was trained and cleared, in bytes of JSON.
 
     .venv/bin/python bench/data_plane.py [--trajectories 256] [--tokens 1024] [--rounds 5]
 """
@@ -77,6 +79,7 @@ async def measure(args: Any) -> dict[str, Any]:
             await one_round(reader, writer, step, trajectories, args)
             for step in range(1, args.rounds + 1)
         ]
+        record_bytes = len(json.dumps(reader.consumed_state()))
     finally:
         writer.close()
         reader.close()
@@ -94,6 +97,7 @@ async def measure(args: Any) -> dict[str, Any]:
         "read_s": round(read, 3),
         "trajectories_per_s": round(args.trajectories / total, 1),
         "mib_per_s": round(mib / total, 1),
+        "consumed_state_bytes": record_bytes,
         "rounds": args.rounds,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),

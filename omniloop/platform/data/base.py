@@ -299,8 +299,11 @@ class DataBus(Protocol):
     async def clear(self, step: int) -> None:
         """Drop every row of partition `step` (after it was trained on). The step stays
         closed: a reader of it (a stage re-running its work after a replica died) ends at once
-        instead of waiting for rows that will not come. The consumed ids are kept, so a row
-        written again under the same id is still never trained twice."""
+        instead of waiting for rows that will not come, and a late write of a row is refused.
+        The ids consumed from it are dropped too (from this client's record, and from a stage's
+        at its next `reread`): nothing of the step can be handed out again until
+        `reopen_cleared`, which only an actor restore calls, after replacing the record with
+        its checkpoint's, so the record of a long run holds its uncleared steps only."""
         ...
 
     async def reopen_cleared(self, from_step: int) -> list[int]:

@@ -22,7 +22,9 @@ What this module adds, because TransferQueue does not have it:
   fetched, before the consumer has trained on them, and its marks are not part of the trainer's
   checkpoint. The reader keeps its own set of ids handed out per consumer and partition;
   `restore_consumed` reinstates a checkpointed set and resets TransferQueue's marks for that
-  consumer, so rows fetched after the checkpoint come back and rows before it never do;
+  consumer, so rows fetched after the checkpoint come back and rows before it never do. The
+  ids of a cleared step are dropped (by `clear` in the clearing process, at the next `reread`
+  in a stage's), so the set and the checkpoint hold the steps still in the queue, not the run;
 - waiting: TransferQueue's blocking fetch sleeps inside the controller (5 s per attempt, which
   stalls every other client), so the controller runs in polling mode and the reader waits on
   its side with a capped exponential backoff; TransferQueue has no push notification;
@@ -402,6 +404,7 @@ class DataPlane:
         for key in [k for k in self._inflight if k[0] == partition]:
             del self._inflight[key]
         self._reset_done = {k for k in self._reset_done if k[0] != partition}
+        self._forget_partitions({partition})
 
     async def reopen_cleared(self, from_step: int) -> list[int]:
         """See `DataBus.reopen_cleared`."""
@@ -642,9 +645,22 @@ class DataPlane:
         self._consumed.get(consumer, {}).pop(partition, None)
         for key in [k for k in self._leftover if k[0] == partition and k[1] == consumer]:
             del self._leftover[key]
-        if partition in await self._client.async_get_partition_list():
+        existing = set(await self._client.async_get_partition_list())
+        if partition in existing:
             await self._client.async_reset_consumption(partition_id=partition, task_name=consumer)
         self._reset_done.add((partition, consumer))
+        # A stage rereads each step it computes, in a process that never clears one: the ids
+        # it took from the steps cleared since would otherwise pile up for the whole run.
+        recorded = {p for parts in self._consumed.values() for p in parts}
+        self._forget_partitions(
+            {p for p in recorded if p not in existing and _closed_partition(p) in existing}
+        )
+
+    def _forget_partitions(self, partitions: set[str]) -> None:
+        """Drop every consumer's record of `partitions` (cleared ones: see `DataBus.clear`)."""
+        for parts in self._consumed.values():
+            for partition in partitions:
+                parts.pop(partition, None)
 
     def consumed_state(self) -> dict[str, Any]:
         """`{"format": 1, "consumers": {consumer: {partition: [ids...]}}}`, JSON-ready.

@@ -450,25 +450,64 @@ async def test_new_fields_round_trip_with_an_explicit_kind(
         assert mb["passed"][pos[traj_id]].item() == [1, 0, 1][k]
 
 
-async def test_clear_drops_rows_but_remembers_consumption(
+async def test_clear_drops_rows_and_their_consumption_record(
     plane: DataPlane, writer: DataPlane, step: int
 ) -> None:
     trajs = [make_trajectory(e) for e in range(3)]
     await writer.put_rollout(step, trajs)
     await writer.close_partition(step)
     assert len(ids_of(await collect(plane, step, ["input_ids"], 3))) == 3
-    await writer.clear(step)
+    assert f"step_{step}" in plane.consumed_state()["consumers"]["actor"]
+    await plane.clear(step)
+    # A trained step costs the record, and the checkpoints that save it, nothing more.
+    assert f"step_{step}" not in plane.consumed_state()["consumers"]["actor"]
     # The step stays closed: a stage that reads it again (its replica died after its last
-    # write) finds it finished instead of waiting out its timeout.
+    # write) finds it finished instead of waiting out its timeout, and a late write is refused.
     assert await collect(plane, step, ["input_ids"], 3) == []
     with pytest.raises(PartitionClosedError):
         await writer.put_rollout(step, [make_trajectory(11)])
-    # A restored actor has the step produced again: a late retry of a trained row is still
-    # not trained twice.
+    # Reopened (for an actor restored from a checkpoint older than the step, whose weights
+    # never saw it), the step is trained again, whole.
     assert await writer.reopen_cleared(step) == [step]
     await writer.put_rollout(step, [trajs[0], make_trajectory(11)])
     await writer.close_partition(step)
-    assert ids_of(await collect(plane, step, ["input_ids"], 3)) == [make_trajectory(11).id]
+    assert sorted(ids_of(await collect(plane, step, ["input_ids"], 3))) == sorted(
+        [trajs[0].id, make_trajectory(11).id]
+    )
+
+
+async def test_a_stage_forgets_the_steps_cleared_since_at_its_next_reread(
+    plane: DataPlane, writer: DataPlane
+) -> None:
+    # A stage (its own client, as in its replica) computes steps one after the other; the actor
+    # (`plane`) trains and clears each. Steps no other test uses, below those that the
+    # reopening test below reopens.
+    first = 5_000
+    for k in range(first, first + 3):
+        await writer.put_rollout(k, [make_trajectory(k)])
+        await writer.close_partition(k)
+    stage = DataPlane.start()
+    try:
+        for k in range(first, first + 3):
+            await stage.reread(k, "advantage")
+            assert len(ids_of(await collect(stage, k, ["input_ids"], 1, "advantage"))) == 1
+            # The steps cleared before this one are gone from its record.
+            assert set(stage.consumed_state()["consumers"]["advantage"]) == {f"step_{k}"}
+            assert len(ids_of(await collect(plane, k, ["input_ids"], 1))) == 1
+            await plane.clear(k)
+        assert not {f"step_{k}" for k in range(first, first + 3)} & set(
+            plane.consumed_state()["consumers"]["actor"]
+        )
+        # A step not cleared yet stays in the record across a reread of another.
+        await writer.put_rollout(first + 3, [make_trajectory(first + 3)])
+        await writer.close_partition(first + 3)
+        await stage.reread(first + 3, "advantage")
+        await collect(stage, first + 3, ["input_ids"], 1, "advantage")
+        await writer.put_rollout(first + 4, [make_trajectory(first + 4)])
+        await stage.reread(first + 4, "advantage")
+        assert set(stage.consumed_state()["consumers"]["advantage"]) == {f"step_{first + 3}"}
+    finally:
+        stage.close()
 
 
 async def test_only_cleared_steps_from_the_restored_one_on_are_reopened(
