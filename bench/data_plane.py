@@ -8,7 +8,12 @@ puts, then their rewards), closes the step, and the reader streams the step back
 `--rounds` rounds after one warm-up round: seconds to put the step, seconds to read it, and
 trajectories and MiB per second end to end (put + read, the data the trainer receives), and
 the size of the reader's consumed-id record (`consumed_state`, what each checkpoint saves) once
-every round's step was trained and cleared, in bytes of JSON.
+every round's step was trained and cleared, in bytes of JSON. Then what a long run leaves in
+the queue: `--growth-steps` small steps (4 rows) each written, closed, read and cleared, first
+as they were before `forget_cleared` existed, then with it called as the actor's checkpoints
+call it (every 10 steps, for the steps before the previous checkpoint): the queue controller's
+resident memory per 1,000 steps and the time of a partition listing (which readers, `reread`
+and `reopen_cleared` make) at the end of each.
 
     .venv/bin/python bench/data_plane.py [--trajectories 256] [--tokens 1024] [--rounds 5]
 """
@@ -24,6 +29,8 @@ import statistics
 import tempfile
 import time
 from typing import Any
+
+import psutil
 
 from omniloop.platform.data import DataPlane, DataPlaneConfig
 from omniloop.trajectory import Trajectory, TrajectoryBuilder, TrajectoryMeta
@@ -80,6 +87,13 @@ async def measure(args: Any) -> dict[str, Any]:
             for step in range(1, args.rounds + 1)
         ]
         record_bytes = len(json.dumps(reader.consumed_state()))
+        growth = {
+            mode: await queue_growth(reader, writer, start, args.growth_steps, forget)
+            for mode, start, forget in (
+                ("kept", 1_000_000, False),
+                ("forgotten", 2_000_000, True),
+            )
+        }
     finally:
         writer.close()
         reader.close()
@@ -98,10 +112,41 @@ async def measure(args: Any) -> dict[str, Any]:
         "trajectories_per_s": round(args.trajectories / total, 1),
         "mib_per_s": round(mib / total, 1),
         "consumed_state_bytes": record_bytes,
+        "growth_steps": args.growth_steps,
+        "controller_mb_per_1000_steps": {m: g[0] for m, g in growth.items()},
+        "partition_list_ms": {m: g[1] for m, g in growth.items()},
         "rounds": args.rounds,
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
     }
+
+
+async def queue_growth(
+    reader: DataPlane, writer: DataPlane, start: int, steps: int, forget: bool
+) -> tuple[float, float]:
+    """Controller MB per 1,000 steps and one partition listing's ms after `steps` steps."""
+    rows = [make_trajectory(i, 64) for i in range(4)]
+    before = _controller_rss_mb()
+    for step in range(start, start + steps):
+        await writer.put_rollout(step, rows)
+        await writer.close_partition(step)
+        async for _ in reader.iter_micro_batches(step, ["input_ids"], 4, timeout_s=60):
+            pass
+        await reader.clear(step)
+        if forget and (step + 1) % 10 == 0:
+            await reader.forget_cleared(step + 1 - 10)
+    grown = (_controller_rss_mb() - before) * 1000 / steps
+    started = time.perf_counter()
+    for _ in range(20):
+        await reader._client.async_get_partition_list()
+    return round(grown, 2), round((time.perf_counter() - started) / 20 * 1000, 2)
+
+
+def _controller_rss_mb() -> float:
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [""])[0].startswith("ray::TransferQueueController"):
+            return float(proc.memory_info().rss) / 2**20
+    raise RuntimeError("no TransferQueue controller process found")
 
 
 def main() -> None:
@@ -111,6 +156,7 @@ def main() -> None:
     parser.add_argument("--put-size", type=int, default=8, help="trajectories per put")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--growth-steps", type=int, default=3000)
     print(json.dumps(asyncio.run(measure(parser.parse_args()))), flush=True)
 
 

@@ -51,7 +51,7 @@ from omniloop.errors import RoleLost
 from omniloop.inference.base import Engine
 from omniloop.inference.router import for_session
 from omniloop.platform.control.components import episode_plan
-from omniloop.platform.control.controller import EpisodeSummary, TrainReport
+from omniloop.platform.control.controller import EpisodeSummary, TrainReport, production_window
 from omniloop.platform.control.episode import EpisodeSettings, SandboxProvider, run_episode
 from omniloop.platform.control.run_config import RunConfig
 from omniloop.platform.control.staleness import StalenessGate
@@ -634,6 +634,9 @@ class LocalActor:
         self._fields = train_fields(config)
         self._teacher = config.trainer.teacher
         self._old_policy = config.trainer.loss.old_policy
+        self._checkpoint_step = 0
+        """The data position of the newest checkpoint saved or loaded (0: none yet)."""
+        self._steps_under_way = production_window(config)
 
     def close(self) -> None:
         """Let the trainer's thread end (after the work it has)."""
@@ -744,6 +747,14 @@ class LocalActor:
             },
         }
         await self._compute.run(self._backend.save, path, position)
+        # What marks the trained steps closed is kept for those a restore may reopen (from
+        # this checkpoint on, or from the previous one should this one be lost) and those
+        # whose production may still be under way (a stage re-running its work after its
+        # replica died: at most `production_window` steps behind the next one to train).
+        await self._data.forget_cleared(
+            min(self._checkpoint_step, step - self._steps_under_way - 1)
+        )
+        self._checkpoint_step = step
 
     async def recover(self, checkpoint: Path | None) -> int:
         """An actor in this process keeps its state as long as the run: only its checkpoint
@@ -760,7 +771,8 @@ class LocalActor:
         torch.set_rng_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
         version, internal, gauss = position["rng"]["python"]
         random.setstate((version, tuple(internal), gauss))
-        return int(position["step"])
+        self._checkpoint_step = int(position["step"])
+        return self._checkpoint_step
 
 
 def _prepare_thread(threads: int | None, nice: int | None, name: str) -> None:

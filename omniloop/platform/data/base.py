@@ -303,13 +303,22 @@ class DataBus(Protocol):
         The ids consumed from it are dropped too (from this client's record, and from a stage's
         at its next `reread`): nothing of the step can be handed out again until
         `reopen_cleared`, which only an actor restore calls, after replacing the record with
-        its checkpoint's, so the record of a long run holds its uncleared steps only."""
+        its checkpoint's, so the record of a long run holds its uncleared steps only. What
+        marks the step closed stays until `forget_cleared`."""
         ...
 
     async def reopen_cleared(self, from_step: int) -> list[int]:
         """Open the cleared steps from `from_step` on for writing again, and return them: an
         actor restored from a checkpoint has those steps produced again. A closed step that
         still has its rows (produced, not yet trained) stays closed."""
+        ...
+
+    async def forget_cleared(self, before_step: int) -> list[int]:
+        """Forget the cleared steps before `before_step` altogether, and return them: what
+        marks them closed goes too (it costs the queue a few KB per step, for the whole run).
+        A forgotten step is like one never written: a reader of it waits for rows, a write
+        creates it anew. So the caller names only steps that no stage reads or writes again and
+        no restore reopens: those before the checkpoint before the newest."""
         ...
 
     def close(self) -> None:

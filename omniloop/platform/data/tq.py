@@ -420,6 +420,19 @@ class DataPlane:
                 reopened.append(step)
         return reopened
 
+    async def forget_cleared(self, before_step: int) -> list[int]:
+        """See `DataBus.forget_cleared`."""
+        self._check_open()
+        existing = set(await self._client.async_get_partition_list())
+        forgotten = sorted(
+            step
+            for step in _marked_steps(existing)
+            if step < before_step and partition_id(step) not in existing
+        )
+        for step in forgotten:
+            await self._client.async_clear_partition(_closed_partition(partition_id(step)))
+        return forgotten
+
     async def _write(
         self, partition: str, ids: list[str], columns: Mapping[str, Any], *, create: bool
     ) -> None:
@@ -651,10 +664,9 @@ class DataPlane:
         self._reset_done.add((partition, consumer))
         # A stage rereads each step it computes, in a process that never clears one: the ids
         # it took from the steps cleared since would otherwise pile up for the whole run.
+        # (A partition read from and no longer in the queue was cleared.)
         recorded = {p for parts in self._consumed.values() for p in parts}
-        self._forget_partitions(
-            {p for p in recorded if p not in existing and _closed_partition(p) in existing}
-        )
+        self._forget_partitions(recorded - existing)
 
     def _forget_partitions(self, partitions: set[str]) -> None:
         """Drop every consumer's record of `partitions` (cleared ones: see `DataBus.clear`)."""

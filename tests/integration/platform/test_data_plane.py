@@ -533,6 +533,31 @@ async def test_only_cleared_steps_from_the_restored_one_on_are_reopened(
     ]
 
 
+async def test_only_cleared_steps_before_the_given_one_are_forgotten(
+    plane: DataPlane, writer: DataPlane, step: int
+) -> None:
+    # (Steps no other test uses, below those the reopening test above reopens.)
+    cleared, untrained, later = 6_000 + 10 * step, 6_001 + 10 * step, 6_002 + 10 * step
+    for k in (cleared, untrained, later):
+        await writer.put_rollout(k, [make_trajectory(k)])
+        await writer.close_partition(k)
+    for k in (cleared, later):
+        await writer.clear(k)
+    forgotten = await plane.forget_cleared(later + 1)  # other tests' cleared steps too
+    assert {cleared, later} <= set(forgotten)
+    assert untrained not in forgotten
+    assert await plane.forget_cleared(later + 1) == []
+    # Forgotten, a step is as if never written: a write creates it anew.
+    await writer.put_rollout(cleared, [make_trajectory(20)])
+    await writer.clear(cleared)
+    # A closed step whose rows are not trained yet is not forgotten.
+    with pytest.raises(PartitionClosedError):
+        await writer.put_rollout(untrained, [make_trajectory(21)])
+    assert ids_of(await collect(plane, untrained, ["input_ids"], 2)) == [
+        make_trajectory(untrained).id
+    ]
+
+
 async def test_an_attached_client_closes_without_stopping_the_queue(
     plane: DataPlane, step: int
 ) -> None:

@@ -12,6 +12,7 @@ import math
 import shutil
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import ray
@@ -110,6 +111,52 @@ async def test_actor_refuses_stale_samples_and_infra_failures(plane: DataPlane) 
     assert report.metrics["staleness/max"] == 1
     assert report.metrics["actor/excluded_infra_failures"] == 1
     assert (report.trained_version, report.version, backend.version) == (3, 4, 4)
+
+
+@pytest.mark.parametrize(("max_staleness", "kept_from"), [(0, 1), (1, 0)])
+async def test_a_checkpoint_forgets_the_steps_before_the_previous_one(
+    plane: DataPlane, tmp_path: Path, max_staleness: int, kept_from: int
+) -> None:
+    """The queue keeps what marks a trained step closed only while a restore or a stage can
+    still reach the step: from the previous checkpoint on, and the steps whose production may
+    be under way (`max_staleness + 1` here)."""
+    config = RunConfig(
+        model="tiny",
+        rollout=RolloutConfig(tasks="unused.jsonl", agent="unused.py:agent", samples_per_task=2),
+        trainer=TrainerConfig(device="cpu", lr=1e-4, micro_batch_size=2),
+        max_staleness=max_staleness,
+    )
+    actor = LocalActor(TorchTrainerBackend("tiny", config.trainer), plane, config)
+    first = 40 + 10 * max_staleness  # steps no other test uses
+    for step in range(first, first + 4):
+        rows = [sample(f"s{step}-{k}", 0) for k in range(2)]
+        await plane.put_rollout(step, rows, {"reward": [1.0, 0.0]})
+        await plane.put_field(step, [t.id for t in rows], "advantages", [[0.0] * 4 + [1.0] * 3] * 2)
+        await plane.close_partition(step)
+    try:
+        await actor.train(first)
+        await actor.save(tmp_path / "a", first + 1)
+        await actor.train(first + 1)
+        await actor.train(first + 2)
+        await actor.save(tmp_path / "b", first + 3)
+    finally:
+        actor.close()
+    # The steps trained after checkpoint `a` are still reopened for a restore from it; the one
+    # before it is forgotten unless its production may still be under way (the next step to
+    # train being `first + 3`); the last one, produced and not trained, keeps its rows.
+    assert await plane.reopen_cleared(first) == list(range(first + kept_from, first + 3))
+    assert (
+        len(
+            [
+                i
+                for b in [
+                    b async for b in plane.iter_micro_batches(first + 3, ["input_ids"], 8, "check")
+                ]
+                for i in b.ids
+            ]
+        )
+        == 2
+    )
 
 
 async def test_the_reference_stage_scores_like_the_frozen_copy(plane: DataPlane) -> None:
