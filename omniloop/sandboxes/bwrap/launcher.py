@@ -169,13 +169,22 @@ class Launcher:
             if self._proc.poll() is None:
                 # Whatever runs is killed first: the launcher's own death would hand orphans
                 # to the host's init instead.
-                for pid in descendants(self._proc.pid):
+                for pid in self._below(self._proc.pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 with contextlib.suppress(ProcessLookupError):
                     self._proc.kill()
             self._proc.wait()
             self._proc = None
+
+    def _below(self, launcher: int) -> list[int]:
+        """Every process of the sandbox but the launcher: its cgroup's members (the sandbox's
+        processes and no other), else the launcher's descendants, which takes reading every
+        process of the host (1.1 ms with 80 of them, and it grows with them)."""
+        for folder in self._cgroups.values():
+            with contextlib.suppress(OSError), open(os.path.join(folder, "cgroup.procs")) as f:
+                return [pid for pid in map(int, f.read().split()) if pid != launcher]
+        return descendants(launcher)
 
     async def close(self) -> None:
         """Stop for good, after any request in flight (its socket must not close under it)."""

@@ -79,6 +79,30 @@ async def test_processes_do_not_outlive_their_command(sandbox: BwrapSandbox) -> 
     assert sandbox.processes() == []
 
 
+async def test_closing_kills_every_process_of_the_sandbox(sandbox: BwrapSandbox) -> None:
+    running = asyncio.ensure_future(sandbox.exec("sleep 60 & sleep 60"))
+    deadline = asyncio.get_running_loop().time() + 20
+    while len(sandbox.processes()) < 4:  # bwrap, its monitor, the shell and the two sleeps
+        assert asyncio.get_running_loop().time() < deadline, sandbox.processes()
+        await asyncio.sleep(0.05)
+    pids = sandbox.processes()
+    launcher = sandbox._launcher
+    assert launcher is not None
+    if sandbox._cgroups:  # where the host lets the sandbox have cgroups: its members are these
+        assert sorted(launcher._below(launcher.pid() or 0)) == sorted(pids)
+    await sandbox.close()
+    await asyncio.gather(running, return_exceptions=True)
+    assert not [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 async def test_missing_program_is_a_failed_command_not_a_sandbox_error(
     sandbox: BwrapSandbox,
 ) -> None:
