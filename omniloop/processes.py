@@ -46,8 +46,9 @@ def _ephemeral_low() -> int:
 
 
 # Run by a fresh interpreter between the parent and `command`: ask for SIGKILL when the thread
-# that spawned it ends, give up if the parent is gone already (the request would then be
-# about the reaper), and become `command`; the request survives the exec.
+# that spawned it ends, give up if the parent died before the request (the child has been
+# handed to another process, which the request would watch instead), and become `command`;
+# the request survives the exec.
 _DIE_WITH_PARENT = (
     "import ctypes, os, signal, sys\n"
     "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
