@@ -315,10 +315,12 @@ class DataBus(Protocol):
 
     async def forget_cleared(self, before_step: int) -> list[int]:
         """Forget the cleared steps before `before_step` altogether, and return them: what
-        marks them closed goes too (it costs the queue a few KB per step, for the whole run).
-        A forgotten step is like one never written: a reader of it waits for rows, a write
-        creates it anew. So the caller names only steps that no stage reads or writes again and
-        no restore reopens: those before the checkpoint before the newest."""
+        marks each closed goes too (it costs the queue a few KB per step, for the whole run),
+        replaced by one mark: every step before the last forgotten one and it are closed, so a
+        late write of a row to any of them is still refused (`PartitionClosedError`), until
+        `reopen_cleared` reopens from a step before the mark. A reader of a forgotten step
+        waits for rows as for one never written, so the caller names only steps that no stage
+        reads again and no restore reopens: those before the checkpoint before the newest."""
         ...
 
     def close(self) -> None:

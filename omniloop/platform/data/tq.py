@@ -14,7 +14,9 @@ What this module adds, because TransferQueue does not have it:
 
 - the schema: DESIGN.md §2 fields, encoded as jagged tensors, scalars or JSON (`base.py`);
 - a "closed" state per partition (a marker key in a side partition `step_k.closed`), so that a
-  reader knows when a step is complete and can hand out the last, shorter micro-batch;
+  reader knows when a step is complete and can hand out the last, shorter micro-batch; the
+  markers of forgotten steps give way to one mark, the step before which every step is closed
+  (a partition `forgotten_before.N`);
 - refusal of writes of one field for ids that have no row, and of new rollout rows for a
   closed partition; deduplication of ids repeated inside one write (TransferQueue would give
   each copy its own row);
@@ -103,6 +105,19 @@ _STATE_FORMAT = 1
 def _closed_partition(partition: str) -> str:
     # A side partition, so the marker is never a row of the step and needs no filtering.
     return f"{partition}.closed"
+
+
+_FORGOTTEN_PREFIX = "forgotten_before."
+
+
+def _forgotten_marks(partitions: Iterable[str]) -> dict[int, str]:
+    """The marks among `partitions` of a step before which every step was forgotten (one,
+    but for a moment while it moves): partition name by step."""
+    marks = {}
+    for name in partitions:
+        if name.startswith(_FORGOTTEN_PREFIX) and name[len(_FORGOTTEN_PREFIX) :].isdigit():
+            marks[int(name[len(_FORGOTTEN_PREFIX) :])] = name
+    return marks
 
 
 def _marked_steps(partitions: Iterable[str]) -> list[int]:
@@ -309,7 +324,9 @@ class DataPlane:
         for traj in unique.values():
             traj.check()
         partition = partition_id(step)
-        if await self._is_closed(partition):
+        existing = await self._client.async_get_partition_list()
+        forgotten_before = max(_forgotten_marks(existing), default=0)
+        if _closed_partition(partition) in existing or step < forgotten_before:
             raise PartitionClosedError(
                 f"partition {partition} is closed; {len(unique)} trajectories were not written"
             )
@@ -410,6 +427,8 @@ class DataPlane:
         """See `DataBus.reopen_cleared`."""
         self._check_open()
         existing = set(await self._client.async_get_partition_list())
+        if max(_forgotten_marks(existing), default=0) > from_step:
+            await self._mark_forgotten_before(from_step, existing)
         reopened = []
         for step in range(from_step, 1 + max(_marked_steps(existing), default=-1)):
             partition = partition_id(step)
@@ -429,9 +448,22 @@ class DataPlane:
             for step in _marked_steps(existing)
             if step < before_step and partition_id(step) not in existing
         )
+        # The mark first: each step is closed by its own marker or by the mark throughout.
+        if forgotten and max(_forgotten_marks(existing), default=0) < forgotten[-1] + 1:
+            await self._mark_forgotten_before(forgotten[-1] + 1, existing)
         for step in forgotten:
             await self._client.async_clear_partition(_closed_partition(partition_id(step)))
         return forgotten
+
+    async def _mark_forgotten_before(self, step: int, existing: Iterable[str]) -> None:
+        """Move the mark of the step before which every step is closed to `step`."""
+        mark = f"{_FORGOTTEN_PREFIX}{step}"
+        await self._client.async_kv_retrieve_meta(
+            keys=[_CLOSED_KEY], partition_id=mark, create=True
+        )
+        for name in _forgotten_marks(existing).values():
+            if name != mark:
+                await self._client.async_clear_partition(name)
 
     async def _write(
         self, partition: str, ids: list[str], columns: Mapping[str, Any], *, create: bool

@@ -547,15 +547,21 @@ async def test_only_cleared_steps_before_the_given_one_are_forgotten(
     assert {cleared, later} <= set(forgotten)
     assert untrained not in forgotten
     assert await plane.forget_cleared(later + 1) == []
-    # Forgotten, a step is as if never written: a write creates it anew.
-    await writer.put_rollout(cleared, [make_trajectory(20)])
-    await writer.clear(cleared)
+    # Forgotten, a step stays closed: a late write to it or to any step before it is refused.
+    for k in (cleared, later, 100):
+        with pytest.raises(PartitionClosedError):
+            await writer.put_rollout(k, [make_trajectory(20)])
+    await writer.put_rollout(later + 1, [make_trajectory(20)])
     # A closed step whose rows are not trained yet is not forgotten.
     with pytest.raises(PartitionClosedError):
         await writer.put_rollout(untrained, [make_trajectory(21)])
     assert ids_of(await collect(plane, untrained, ["input_ids"], 2)) == [
         make_trajectory(untrained).id
     ]
+    # A restore from before them opens the forgotten steps again (and the other tests' steps).
+    await plane.reopen_cleared(100)
+    await writer.put_rollout(cleared, [make_trajectory(22)])
+    await writer.clear(cleared)
 
 
 async def test_an_attached_client_closes_without_stopping_the_queue(
