@@ -21,10 +21,10 @@ per second of each (episodes trained over the measured steps' wall time), the me
 and optimizer-step seconds of each (`rollout_seconds_*`, `train_seconds_*`), start-up seconds
 of each, the CPU seconds per measured step spent by each kind of process of the run
 (`cpu_per_step_*`: the driver, each role's replicas, Serve's controller, Ray's daemons, the
-engine, sandboxes), the whole machine's busy CPU seconds per measured step
-(`machine_cpu_per_step_*`, from `/proc/stat`: what the per-kind figures miss, processes that
-live less than a sampling period such as a tool call's sandbox, and the kernel's own work), and
-the load average.
+engine, sandboxd; `<kind> children`: what the ended children of that kind's processes spent,
+such as sandboxd's tool calls, `CpuSampler`), the whole machine's busy CPU seconds per
+measured step (`machine_cpu_per_step_*`, from `/proc/stat`: what the per-kind figures miss,
+the kernel's own work above all), and the load average.
 
     .venv/bin/python bench/services_overhead.py [--task toy|calculator] [--steps 10]
         [--rounds 2] [--set KEY=VALUE]
@@ -68,11 +68,19 @@ def _process_kind(cmdline: list[str]) -> str:
 
 class CpuSampler:
     """CPU seconds (user + system) of this process and every descendant, by kind, sampled
-    every `period_s`; `between(t0, t1)` is what each kind spent in that wall-clock window."""
+    every `period_s`; `between(t0, t1)` is what each kind spent in that wall-clock window.
+
+    A process too short-lived to be sampled (a tool call's sandbox and the command it runs)
+    still counts: once it has ended and been reaped, its CPU is its parent's children's time,
+    reported as `<parent's kind> children`. A child that was sampled while it ran and ended
+    within the window counts twice (as itself, and in its parent's children's time); the
+    short-lived ones this is for are not."""
 
     def __init__(self, period_s: float = 0.5) -> None:
         self._period_s = period_s
         self._samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        """(time, {pid: (kind, CPU seconds)}) per sample; a process's reaped children count
+        under the pid's negative, as `<kind> children`."""
         self._machine: list[tuple[float, float]] = []
         """(time, busy CPU seconds of the whole machine since boot) per sample."""
         self._stop = threading.Event()
@@ -100,6 +108,10 @@ class CpuSampler:
                             "driver" if process.pid == me.pid else _process_kind(process.cmdline())
                         )
                         seen[process.pid] = (kind, times.user + times.system)
+                        seen[-process.pid] = (
+                            f"{kind} children",
+                            times.children_user + times.children_system,
+                        )
                 except psutil.Error:
                     continue
             now = time.time()
