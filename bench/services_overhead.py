@@ -32,7 +32,6 @@ the kernel's own work above all), and the load average.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -43,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from toy_run import CALCULATOR, TOY, example_config, toy_config
+from toy_run import TOY, task_config, task_parser
 from toy_run import train as train_run
 
 WARMUP_STEPS = 2
@@ -156,20 +155,14 @@ def train_once(
     task on `model`, or the calculator task when `model` is None; the step metrics and
     start-up seconds."""
     overrides = [f"checkpoint_every={steps}", f"services.mode={mode}", *extra]
-    config = (
-        example_config(CALCULATOR, run_dir, steps, overrides)
-        if model is None
-        else toy_config(model, run_dir, steps, overrides)
-    )
-    metrics, total = train_run(config)
+    metrics, total = train_run(task_config(model, run_dir, steps, overrides))
     return {"metrics": metrics, "startup_s": total - sum(m["perf/step_seconds"] for m in metrics)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=["toy", "calculator"], default="toy")
-    parser.add_argument("--steps", type=int, default=10, help="steps per run")
-    parser.add_argument("--rounds", type=int, default=2, help="runs per mode, alternating")
+    parser = task_parser(
+        __doc__.split("\n\n")[0], steps=10, rounds=2, rounds_help="runs per mode, alternating"
+    )
     parser.add_argument(
         "--set",
         action="append",

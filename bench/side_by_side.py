@@ -26,7 +26,6 @@ Without `--variant`, the variants are the roles in one process and as services.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from services_overhead import WARMUP_STEPS, CpuSampler
-from toy_run import CALCULATOR, TOY, example_config, toy_config
+from toy_run import TOY, task_config, task_parser
 from toy_run import train as train_run
 
 DEFAULT_VARIANTS = ("in_process=services.mode=in_process", "services=services.mode=services")
@@ -69,12 +68,7 @@ def run_variant(
 ) -> list[dict[str, Any]]:
     """One run (the toy task on `model`, or the calculator task when `model` is None) with
     `overrides` applied and `env` set for its duration; its step metrics."""
-    settings = [f"checkpoint_every={steps}", *overrides]
-    config = (
-        example_config(CALCULATOR, run_dir, steps, settings)
-        if model is None
-        else toy_config(model, run_dir, steps, settings)
-    )
+    config = task_config(model, run_dir, steps, [f"checkpoint_every={steps}", *overrides])
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
@@ -89,10 +83,9 @@ def run_variant(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--task", choices=["toy", "calculator"], default="toy")
-    parser.add_argument("--steps", type=int, default=12, help="steps per run")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per variant, rotated")
+    parser = task_parser(
+        __doc__.split("\n\n")[0], steps=12, rounds=3, rounds_help="runs per variant, rotated"
+    )
     parser.add_argument(
         "--variant",
         action="append",

@@ -53,6 +53,25 @@ def example_config(folder: Path, run_dir: Path, steps: int, overrides: list[str]
     )
 
 
+def task_config(model: Path | None, run_dir: Path, steps: int, overrides: list[str]) -> RunConfig:
+    """The toy run on `model`, or `make run`'s calculator run when `model` is None."""
+    if model is None:
+        return example_config(CALCULATOR, run_dir, steps, overrides)
+    return toy_config(model, run_dir, steps, overrides)
+
+
+def task_parser(description: str, *, steps: int, rounds: int, rounds_help: str) -> Any:
+    """An `argparse` parser with the arguments of a benchmark that trains an example's run
+    several times: `--task` (`toy` or `calculator`), `--steps` per run and `--rounds`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--task", choices=["toy", "calculator"], default="toy")
+    parser.add_argument("--steps", type=int, default=steps, help="steps per run")
+    parser.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    return parser
+
+
 def train(config: RunConfig) -> tuple[list[dict[str, Any]], float]:
     """Run `config`; its step metrics and the run's wall seconds, start-up included."""
     from omniloop.platform.control.run import run
