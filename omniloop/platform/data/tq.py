@@ -368,8 +368,12 @@ class DataPlane:
         )
 
     async def close_partition(self, step: int) -> None:
-        """Declare that partition `step` gets no new rows; readers then drain it and stop."""
+        """Declare that partition `step` gets no new rows; readers then drain it and stop. A
+        forgotten step is closed already, by the mark (`forget_cleared`): it gets no marker."""
         self._check_open()
+        partitions = await self._client.async_get_partition_list()
+        if step < max(_forgotten_marks(partitions), default=0):
+            return
         await self._client.async_kv_retrieve_meta(
             keys=[_CLOSED_KEY], partition_id=_closed_partition(partition_id(step)), create=True
         )

@@ -552,6 +552,9 @@ async def test_only_cleared_steps_before_the_given_one_are_forgotten(
         with pytest.raises(PartitionClosedError):
             await writer.put_rollout(k, [make_trajectory(20)])
     await writer.put_rollout(later + 1, [make_trajectory(20)])
+    # A late close of a forgotten step leaves no marker behind: nothing more to forget.
+    await writer.close_partition(cleared)
+    assert await plane.forget_cleared(later + 1) == []
     # A closed step whose rows are not trained yet is not forgotten.
     with pytest.raises(PartitionClosedError):
         await writer.put_rollout(untrained, [make_trajectory(21)])
