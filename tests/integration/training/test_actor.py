@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from omniloop.platform.control.local import (
     SCORES,
@@ -41,6 +43,21 @@ from omniloop.trainer.ranks import RankedTrainer, RanksLost
 from omniloop.trainer.reference import TorchReference
 from omniloop.trainer.torch_backend import TorchTrainerBackend
 from omniloop.trajectory import StopReason, Trajectory, TrajectoryBuilder, TrajectoryMeta
+
+
+def _kill(rank: ray.actor.ActorHandle) -> None:
+    """Kill a trainer rank's actor and wait until it is gone: `ray.kill` returns before, and
+    a call sent meanwhile may still be served."""
+    ray.kill(rank)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(rank.version.remote(), timeout=30)
+        except RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the killed rank still answers after 30 s")
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -334,7 +351,7 @@ async def test_the_actor_s_ranks_train_each_row_once_as_one_rank(
         for name, weight in restored.named_weights():
             torch.testing.assert_close(mine[name], weight, atol=0, rtol=0, msg=name)
 
-        ray.kill(backend._workers[1])
+        _kill(backend._workers[1])
         with pytest.raises(RanksLost, match="a trainer rank failed"):
             dict(backend.named_weights())
         with pytest.raises(RanksLost):
