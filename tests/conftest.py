@@ -8,11 +8,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from omniloop.processes import free_port
@@ -20,6 +21,33 @@ from omniloop.processes import free_port
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# -- process fixtures ------------------------------------------------------------------------
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _still_running(pids: Iterable[int], within: float = 0.0) -> list[int]:
+    pids = list(pids)
+    deadline = time.monotonic() + within
+    while True:
+        left = [pid for pid in pids if _running(pid)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def still_running() -> Callable[..., list[int]]:
+    """`still_running(pids, within=0.0)`: those of `pids` still running (not ended, not a
+    zombie) once all have ended or `within` seconds have passed, checked every 0.1 s."""
+    return _still_running
 
 
 # -- engine fixtures -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -31,14 +32,9 @@ def _spawn_in_thread(command: list[str], **popen: object) -> tuple[threading.Eve
     return release, pid
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def test_the_child_runs_the_command_until_its_spawning_thread_ends() -> None:
+def test_the_child_runs_the_command_until_its_spawning_thread_ends(
+    still_running: Callable[..., list[int]],
+) -> None:
     release, (pid,) = _spawn_in_thread(["sleep", "60"])
     try:
         deadline = time.monotonic() + 10
@@ -46,13 +42,10 @@ def test_the_child_runs_the_command_until_its_spawning_thread_ends() -> None:
             assert time.monotonic() < deadline, psutil.Process(pid).cmdline()
             time.sleep(0.05)
         time.sleep(0.5)
-        assert _running(pid), "the child died while its spawning thread lived"
+        assert still_running([pid]) == [pid], "the child died while its spawning thread lived"
     finally:
         release.set()
-    deadline = time.monotonic() + 10
-    while _running(pid):
-        assert time.monotonic() < deadline, "the child outlived the thread that spawned it"
-        time.sleep(0.05)
+    assert not still_running([pid], within=10), "the child outlived the thread that spawned it"
 
 
 def test_descriptors_passed_to_the_child_reach_the_command() -> None:

@@ -79,7 +79,9 @@ async def test_processes_do_not_outlive_their_command(sandbox: BwrapSandbox) -> 
     assert sandbox.processes() == []
 
 
-async def test_closing_kills_every_process_of_the_sandbox(sandbox: BwrapSandbox) -> None:
+async def test_closing_kills_every_process_of_the_sandbox(
+    sandbox: BwrapSandbox, still_running: Callable[..., list[int]]
+) -> None:
     running = asyncio.ensure_future(sandbox.exec("sleep 60 & sleep 60"))
     deadline = asyncio.get_running_loop().time() + 20
     while len(sandbox.processes()) < 4:  # bwrap, its monitor, the shell and the two sleeps
@@ -92,15 +94,7 @@ async def test_closing_kills_every_process_of_the_sandbox(sandbox: BwrapSandbox)
         assert sorted(launcher._below(launcher.pid() or 0)) == sorted(pids)
     await sandbox.close()
     await asyncio.gather(running, return_exceptions=True)
-    assert not [pid for pid in pids if _alive(pid)]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    assert not still_running(pids)
 
 
 async def test_missing_program_is_a_failed_command_not_a_sandbox_error(

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -30,19 +30,9 @@ def _owner(sandbox_id: str) -> int:
     return int(json.loads((base_dir() / sandbox_id / "owner.json").read_text())["pid"])
 
 
-def _gone(pid: int, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.1)
-    return False
-
-
-async def test_sandboxes_come_from_a_child_sandboxd() -> None:
+async def test_sandboxes_come_from_a_child_sandboxd(
+    still_running: Callable[..., list[int]],
+) -> None:
     async with LocalSandboxd(BWRAP) as local:
         assert local.pid is None, "started before anyone asked for a sandbox"
         sandbox = await local.acquire()
@@ -54,16 +44,18 @@ async def test_sandboxes_come_from_a_child_sandboxd() -> None:
         assert result.stdout.strip() == "42"
         await local.release(sandbox)
         child = local.pid
-    assert _gone(child), "aclose left the sandboxd running"
+    assert not still_running([child], within=15), "aclose left the sandboxd running"
 
 
-async def test_a_dead_child_loses_its_sandboxes_and_the_next_acquire_starts_another() -> None:
+async def test_a_dead_child_loses_its_sandboxes_and_the_next_acquire_starts_another(
+    still_running: Callable[..., list[int]],
+) -> None:
     async with LocalSandboxd(BWRAP) as local:
         sandbox = await local.acquire()
         first = local.pid
         assert first is not None
         os.kill(first, signal.SIGKILL)
-        assert await asyncio.to_thread(_gone, first)
+        assert not await asyncio.to_thread(still_running, [first], 15)
         with pytest.raises(SandboxLost):
             await sandbox.exec(["true"])
         again = await local.acquire()
@@ -72,7 +64,9 @@ async def test_a_dead_child_loses_its_sandboxes_and_the_next_acquire_starts_anot
         await local.release(again)
 
 
-def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
+def test_the_child_dies_with_its_parent(
+    tmp_path: Path, still_running: Callable[..., list[int]]
+) -> None:
     script = textwrap.dedent(
         """
         import asyncio, os, sys
@@ -97,7 +91,7 @@ def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
         assert psutil.pid_exists(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
-        assert _gone(child), "the sandboxd outlived the process that started it"
+        assert not still_running([child], within=15), "the sandboxd outlived its starter"
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +38,6 @@ def start(tmp_path: Path, sandboxd_class: Any) -> Iterator[Any]:
         service.stop()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 async def test_bwrap_sandboxes_through_the_service(start: Any) -> None:
     service = start("--backend", "bwrap", "--pool-size", "1")
     async with httpx.AsyncClient() as http:
@@ -72,7 +64,7 @@ async def test_bwrap_sandboxes_through_the_service(start: Any) -> None:
 
 
 async def test_a_killed_service_loses_its_sandboxes_and_the_next_one_reaps_them(
-    start: Any,
+    start: Any, still_running: Callable[..., list[int]]
 ) -> None:
     first = start("--backend", "bwrap", "--pool-size", "0")
     async with SandboxClient(first.url) as client:
@@ -88,10 +80,8 @@ async def test_a_killed_service_loses_its_sandboxes_and_the_next_one_reaps_them(
         with pytest.raises(SandboxLost):
             await sandbox.exec(["true"])
 
-    deadline = time.monotonic() + 15
-    while [c.pid for c in children if _alive(c.pid)] and time.monotonic() < deadline:  # noqa: ASYNC110
-        await asyncio.sleep(0.2)
-    assert not [c.pid for c in children if _alive(c.pid)], "a sandbox process outlived it"
+    outlived = await asyncio.to_thread(still_running, [c.pid for c in children], 15)
+    assert not outlived, "a sandbox process outlived it"
 
     second = start("--backend", "bwrap", "--pool-size", "0")  # ready once it has reaped
     assert not folder.exists(), "the dead service's sandbox was not reaped"

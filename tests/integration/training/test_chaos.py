@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,21 +279,13 @@ def test_each_episode_is_written_once_as_the_store_holds_it(chaos_run: ChaosRun)
                 assert stored.input_ids == line["input_ids"], (path.name, line["id"])
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 @pytest.mark.parametrize("role", ["engine", "sandbox"])
-def test_a_killed_replica_takes_its_processes_with_it(chaos_run: ChaosRun, role: str) -> None:
+def test_a_killed_replica_takes_its_processes_with_it(
+    chaos_run: ChaosRun, role: str, still_running: Callable[..., list[int]]
+) -> None:
     # The engine replica's engine; the sandbox replica's warm pool of bwrap sandboxes.
     assert chaos_run.orphans[role], f"the {role} replica had no child process"
-    deadline = time.monotonic() + 10
-    while [p for p in chaos_run.orphans[role] if _running(p)] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not [p for p in chaos_run.orphans[role] if _running(p)]
+    assert not still_running(chaos_run.orphans[role], within=10)
 
 
 def test_every_trajectory_of_every_step_is_trained_exactly_once(
