@@ -120,6 +120,11 @@ def _forgotten_marks(partitions: Iterable[str]) -> dict[int, str]:
     return marks
 
 
+def _forgotten_before(partitions: Iterable[str]) -> int:
+    """The step before which every step was forgotten and is closed (0: none was)."""
+    return max(_forgotten_marks(partitions), default=0)
+
+
 def _marked_steps(partitions: Iterable[str]) -> list[int]:
     """The steps that have a closed marker among `partitions`."""
     steps = []
@@ -325,8 +330,7 @@ class DataPlane:
             traj.check()
         partition = partition_id(step)
         existing = await self._client.async_get_partition_list()
-        forgotten_before = max(_forgotten_marks(existing), default=0)
-        if _closed_partition(partition) in existing or step < forgotten_before:
+        if _closed_partition(partition) in existing or step < _forgotten_before(existing):
             raise PartitionClosedError(
                 f"partition {partition} is closed; {len(unique)} trajectories were not written"
             )
@@ -372,7 +376,7 @@ class DataPlane:
         forgotten step is closed already, by the mark (`forget_cleared`): it gets no marker."""
         self._check_open()
         partitions = await self._client.async_get_partition_list()
-        if step < max(_forgotten_marks(partitions), default=0):
+        if step < _forgotten_before(partitions):
             return
         await self._client.async_kv_retrieve_meta(
             keys=[_CLOSED_KEY], partition_id=_closed_partition(partition_id(step)), create=True
@@ -431,7 +435,7 @@ class DataPlane:
         """See `DataBus.reopen_cleared`."""
         self._check_open()
         existing = set(await self._client.async_get_partition_list())
-        if max(_forgotten_marks(existing), default=0) > from_step:
+        if _forgotten_before(existing) > from_step:
             await self._mark_forgotten_before(from_step, existing)
         reopened = []
         for step in range(from_step, 1 + max(_marked_steps(existing), default=-1)):
@@ -453,7 +457,7 @@ class DataPlane:
             if step < before_step and partition_id(step) not in existing
         )
         # The mark first: each step is closed by its own marker or by the mark throughout.
-        if forgotten and max(_forgotten_marks(existing), default=0) < forgotten[-1] + 1:
+        if forgotten and _forgotten_before(existing) < forgotten[-1] + 1:
             await self._mark_forgotten_before(forgotten[-1] + 1, existing)
         for step in forgotten:
             await self._client.async_clear_partition(_closed_partition(partition_id(step)))
