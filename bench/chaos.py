@@ -2,9 +2,10 @@
 
 The toy tool task (tiny model warm-started on the call format) is trained twice in this
 invocation, with the roles as Ray Serve deployments: once undisturbed (the baseline), once
-while a watcher SIGKILLs the process of one replica of a random role (`rollout`, `sandbox`,
-`reward`, `advantage`, `engine`, `actor`, `api`) every `--kill-every` seconds. Both runs train
-the same steps.
+while a watcher SIGKILLs the process of one replica of a role (`rollout`, `sandbox`, `reward`,
+`advantage`, `engine`, `actor`, `api`) every `--kill-every` seconds. The roles are drawn in a
+random order, each once before any a second time (`kill_order`), so a disturbed run that lasts
+seven kills measures every role's recovery. Both runs train the same steps.
 
 Prints ONE JSON line:
 - `recovery_s`: role -> seconds from the failure being detected to the role being back at full
@@ -15,6 +16,7 @@ Prints ONE JSON line:
 - `ettr`: the effective training time ratio, the undisturbed run's wall time of its training
   loop divided by the disturbed run's: the share of the disturbed run's time that was as
   productive as an undisturbed run (1.0: failures cost nothing);
+- `roles_not_killed`: the roles the run ended before killing;
 - the kills (time, role), both wall times, steps, and the load average.
 
     .venv/bin/python bench/chaos.py [--steps 30] [--kill-every 60] [--seed 0]
@@ -32,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,13 +57,23 @@ def train(model: Path, run_dir: Path, steps: int, killer: Killer | None) -> floa
     return sum(m["perf/step_seconds"] for m in metrics)
 
 
+def kill_order(rng: random.Random) -> Iterator[str]:
+    """The roles to kill, endlessly: every role once in a random order, then again."""
+    while True:
+        roles = list(ROLES)
+        rng.shuffle(roles)
+        yield from roles
+
+
 class Killer:
-    """SIGKILLs a random role's replica every `every` seconds once the run has started."""
+    """SIGKILLs a replica of the next role of `kill_order` every `every` seconds once the run
+    has started."""
 
     def __init__(self, run_dir: Path, every: float, seed: int) -> None:
         self._run_dir = run_dir
         self._every = every
         self._random = random.Random(seed)
+        self._roles = kill_order(self._random)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self.kills: list[dict[str, Any]] = []
@@ -80,7 +93,7 @@ class Killer:
             if self._stop.wait(0.2):
                 return
         while not self._stop.wait(self._every):
-            role = self._random.choice(ROLES)
+            role = next(self._roles)
             pids = replica_pids(role, within=os.getpid())
             if not pids:
                 continue
@@ -143,6 +156,7 @@ def main() -> None:
                 "lost": len(expected - set(ids)),
                 "trained_twice": len(ids) - len(set(ids)),
                 "ettr": round(baseline_s / chaos_s, 3),
+                "roles_not_killed": sorted(set(ROLES) - {k["role"] for k in killer.kills}),
                 "kills": killer.kills,
                 "faults": len(faults),
                 "unrecovered_faults": sum(f.get("recovery_seconds") is None for f in faults),

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -149,11 +149,17 @@ class TrainReport:
 # -- the roles' interfaces --------------------------------------------------------------------
 
 
+Released = Callable[[], asyncio.Future[None]]
+"""Whether a step's episodes may start now: a future, done at once if they may, else once they
+may (`StalenessGate.wait`)."""
+
+
 class Rollout(Protocol):
     """Generates the episodes of a step (rewards included) into its data-plane partition."""
 
-    async def generate(self, step: int) -> RolloutReport:
-        """Write every trajectory of `step` (rollout fields and `reward`), then close it."""
+    async def generate(self, step: int, released: Released | None = None) -> RolloutReport:
+        """Write every trajectory of `step` (rollout fields and `reward`), then close it. Each
+        group of episodes starts only while `released()` is done (None: whenever it can)."""
         ...
 
 
@@ -260,7 +266,10 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
         stages += [
             s.compute(step) for s in (roles.reference, roles.teacher, roles.critic) if s is not None
         ]
-        rollout, *stage_metrics = await _together(roles.rollout.generate(step), *stages)
+        # The gate is asked again as each group starts: a restore may have rewound it since.
+        rollout, *stage_metrics = await _together(
+            roles.rollout.generate(step, lambda: gate.wait(step)), *stages
+        )
         return rollout, {key: v for metrics in stage_metrics for key, v in metrics.items()}
 
     production: dict[int, asyncio.Task[tuple[RolloutReport, dict[str, float]]]] = {}
@@ -291,9 +300,8 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
         synced = {}
         if trained.version != trained.trained_version:
             synced = await roles.sync.publish(trained.version)
-        # Only after the sync: a rollout this releases must sample the new weights. (After an
-        # actor restore, the steps up to the one it was lost in are released already.)
-        gate.advance(max(step + 1, gate.trainer_version))
+        # Only after the sync: a rollout this releases must sample the new weights.
+        gate.advance(step + 1)
         now = time.perf_counter()
         await record.step(rollout, advantages, trained, synced, seconds=now - last)
         last = now
@@ -309,9 +317,15 @@ async def train_loop(roles: Roles, record: RunRecord, config: RunConfig, start: 
                 if await train_and_publish(step):
                     break
             except ActorLost as lost:
-                # Only the actor restarts, from its last checkpoint; rollouts of later steps go
-                # on. The steps since the checkpoint are produced and trained again (same ids).
+                # Only the actor restarts, from its last checkpoint; rollouts go on. The gate
+                # goes back to the checkpoint first, before the engines get its weights: an
+                # episode that starts from then on samples them, so its step must be within
+                # the bound of the checkpoint (groups of later steps wait for the restored actor
+                # to catch up). The steps since the checkpoint are produced and trained again
+                # (same ids), each released as the first time.
+                gate.rewind(record.restore_point())
                 restored = await record.restore_actor(roles.actor, step, lost)
+                gate.rewind(min(restored, gate.trainer_version))
                 for k in range(restored, step + 1):
                     if k not in production:  # trained and cleared by the lost actor
                         production[k] = asyncio.create_task(produce(k))

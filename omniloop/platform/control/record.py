@@ -184,6 +184,11 @@ class RunRecord:
         ended."""
         await self._record_faults(self._last_step, self.timeline.take_all())
 
+    def restore_point(self) -> int:
+        """The step a restore of the actor continues from: the newest checkpoint's (0: none)."""
+        found = checkpoints(self.run_dir)
+        return int(found[-1].name.removeprefix("step_")) if found else 0
+
     async def restore_actor(self, actor: Actor, step: int, lost: Exception) -> int:
         """Restore a lost actor from the newest checkpoint; return the step to go on from.
 

@@ -14,8 +14,8 @@ taken since the weights that sampled it. `max_staleness` bounds it in two places
 three run the same code: the bound is a number compared with `<=`, and `inf` is just a bound that
 is never reached.
 
-The gate is pure asyncio logic for one event loop: call `wait`, `advance` and `close` from the
-loop thread. It holds no data and talks to no service.
+The gate is pure asyncio logic for one event loop: call `wait`, `advance`, `rewind` and `close`
+from the loop thread. It holds no data and talks to no service.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ class StalenessGate:
 
     `trainer_version` is the number of optimizer steps the trainer has completed (the DCS
     version of the weights it would publish next minus one, i.e. the version the rollout engines
-    can have at most). It only moves forward, through `advance`.
+    can have at most). It moves forward through `advance`, and back only through `rewind`, when
+    the trainer was restored from a checkpoint.
     """
 
     def __init__(self, max_staleness: int | float | str, trainer_version: int = 0) -> None:
@@ -132,6 +133,20 @@ class StalenessGate:
             else:
                 still_waiting.append((step, fut))
         self._waiters = still_waiting
+
+    def rewind(self, trainer_version: int) -> None:
+        """Measure producers against `trainer_version` again, at or below the current one: the
+        trainer was restored from a checkpoint of that version and trains the steps after it
+        again. Each of those steps, produced again, then starts only once the restored trainer
+        is within the bound of it, as the first time; a step started while the gate stood
+        higher would sample the restored weights and reach the trainer past the bound.
+        Producers released already are left to run (the trainer audits what they wrote)."""
+        if not 0 <= trainer_version <= self._trainer_version:
+            raise ValueError(
+                f"rewind to trainer version {trainer_version}: it must be between 0 and the "
+                f"current {self._trainer_version}"
+            )
+        self._trainer_version = trainer_version
 
     def close(self) -> None:
         """Fail every pending and future `wait` with `GateClosedError` (used at shutdown)."""

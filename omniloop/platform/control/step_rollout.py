@@ -17,7 +17,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 
-from omniloop.platform.control.controller import EpisodeSummary, RolloutReport
+from omniloop.platform.control.controller import EpisodeSummary, Released, RolloutReport
 from omniloop.platform.control.faults import Retry
 from omniloop.platform.control.local import EpisodeCallback, uniform_rewards
 
@@ -112,17 +112,18 @@ class StepRollout:
         self._on_start = on_start
         self._on_episode = on_episode
 
-    async def generate(self, step: int) -> RolloutReport:
-        """Run step `step`'s episodes into partition `step`, then close it."""
+    async def generate(self, step: int, released: Released | None = None) -> RolloutReport:
+        """Run step `step`'s episodes into partition `step`, then close it; each group starts
+        (takes its slots) only while `released()` is done, if given."""
         started = time.perf_counter()
         await self._retry.call("rollout", lambda _: self._begin(step), what=f"step {step} start")
         self._on_start(step, self._count)
         if self._extra_groups:
-            episodes, extra, dropped = await self._dynamic(step)
+            episodes, extra, dropped = await self._dynamic(step, released)
         else:
             async with asyncio.TaskGroup() as group:
                 runs = [
-                    group.create_task(self._group(step, first))
+                    group.create_task(self._group(step, first, released))
                     for first in range(0, self._count, self._group_size)
                 ]
             episodes, extra, dropped = [e for run in runs for e in run.result()], 0, 0
@@ -137,7 +138,9 @@ class StepRollout:
             dropped_groups=dropped,
         )
 
-    async def _dynamic(self, step: int) -> tuple[list[EpisodeSummary], int, int]:
+    async def _dynamic(
+        self, step: int, released: Released | None
+    ) -> tuple[list[EpisodeSummary], int, int]:
         """The step's groups, each uniform one followed by an extra group while the budget
         lasts; returns every episode, the extra groups run and the uniform groups."""
         budget = self._extra_groups
@@ -147,7 +150,7 @@ class StepRollout:
             nonlocal budget, dropped
             episodes: list[EpisodeSummary] = []
             while True:
-                members = await self._group(step, first)
+                members = await self._group(step, first, released)
                 episodes += members
                 rewards = [e.reward for e in members]
                 if not uniform_rewards(rewards, [not e.infra_failure for e in members]):
@@ -165,14 +168,16 @@ class StepRollout:
         episodes = [e for c in chains for e in c.result()]
         return episodes, self._extra_groups - budget, dropped
 
-    async def _group(self, step: int, first: int) -> list[EpisodeSummary]:
+    async def _group(
+        self, step: int, first: int, released: Released | None
+    ) -> list[EpisodeSummary]:
         """Episodes `first ... first + group_size - 1` of step `step`, in that order."""
         indices = list(range(first, first + self._group_size))
         written: dict[int, EpisodeSummary] = {}
 
         async def run(attempt: int) -> None:
             left = [i for i in indices if i not in written]
-            held = await self._slots.take(len(left))
+            held = await self._take_released(len(left), released)
             try:
                 async with contextlib.aclosing(self._episodes(step, left, attempt)) as stream:
                     async for ended in stream:
@@ -188,3 +193,19 @@ class StepRollout:
         what = f"step {step} episodes {indices[0]}-{indices[-1]}"
         await self._retry.call("rollout", run, what=what)
         return [written[i] for i in indices]
+
+    async def _take_released(self, count: int, released: Released | None) -> int:
+        """`Slots.take`, once the step's episodes may start, and only while they still may:
+        the release can be taken back (the staleness gate rewound to an older checkpoint's
+        actor) while a group waits for its slots."""
+        while True:
+            if released is not None:
+                await released()
+            held = await self._slots.take(count)
+            if released is None:
+                return held
+            still = released()
+            if still.done():
+                return held
+            still.cancel()  # withdrawn: the next turn of the loop waits on a fresh one
+            self._slots.give_back(held)

@@ -14,8 +14,10 @@ reference replica (the run trains with a KL penalty scored by the `reference` ro
 6, whose `ref_logprobs` the replacement writes; the actor's replica during step 7, once step 6
 is trained (so mostly while it waits for step 7's rollout with no request of the controller's
 under way: the replacement must refuse to train until restored): only the actor restarts, from
-its checkpoint of step 6, while the rollout goes on, and steps 6 and 7 are produced and trained
-again under the same ids.
+its checkpoint of step 4, while the rollout goes on, and steps 4 to 7 are produced and trained
+again under the same ids, step 6 only once the restored actor has trained step 4 (the
+staleness bound holds across the restore: sampled at once by the restored weights, step 6
+would reach the trainer two versions behind, and be refused).
 
 Afterwards: the run completed; every trajectory id of every step was trained exactly once
 (`trained.jsonl`); the store holds every episode once; each kill is a fault on the timeline
@@ -53,7 +55,7 @@ from omniloop.trajectory import trajectory_id
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 STEPS = 8
-CHECKPOINT_EVERY = 3
+CHECKPOINT_EVERY = 4
 TASKS_PER_STEP = 4
 SAMPLES = 4
 KILLS = {

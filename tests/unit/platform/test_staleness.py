@@ -47,6 +47,23 @@ def test_config_type_accepts_integers_and_inf_only() -> None:
             Cfg(max_staleness=bad)
 
 
+async def test_a_rewound_gate_releases_the_steps_trained_again_as_the_first_time() -> None:
+    # The trainer had done 9 steps when it was lost, and is restored from its checkpoint of 6:
+    # step 8, produced again, must wait for the restored trainer's step 7 (with bound 1), or its
+    # samples of version 6 would reach a trainer at version 8.
+    gate = StalenessGate(1, trainer_version=9)
+    released = gate.wait(10)
+    gate.rewind(6)
+    assert released.done()  # already under way: left to run
+    again = {s: gate.wait(s) for s in (6, 7, 8)}
+    assert [s for s, f in again.items() if f.done()] == [6, 7]
+    gate.advance(7)
+    assert again[8].done()
+    gate.rewind(7)  # the same version again changes nothing
+    with pytest.raises(ValueError, match="rewind to trainer version 8"):
+        gate.rewind(8)
+
+
 @pytest.mark.parametrize("k", BOUNDS)
 def test_allowed_is_step_minus_version_within_bound(k: int | str) -> None:
     gate = StalenessGate(k, trainer_version=5)

@@ -11,6 +11,7 @@ from omniloop.errors import RoleLost
 from omniloop.platform.control.controller import EpisodeSummary
 from omniloop.platform.control.faults import Failure, FaultTimeline, Retry
 from omniloop.platform.control.run_config import FaultsConfig
+from omniloop.platform.control.staleness import StalenessGate
 from omniloop.platform.control.step_rollout import Slots, StepRollout
 
 
@@ -157,3 +158,37 @@ def test_a_cancelled_wait_holds_back_no_group_behind_it() -> None:
         return await asyncio.wait_for(narrow, 5)
 
     assert asyncio.run(main()) == 1
+
+
+def test_a_group_starts_only_while_its_step_is_released() -> None:
+    # Step 6 with bound 1 is released at trainer version 5. Its first group holds the only
+    # slots; while the second waits for them, the gate is rewound to version 4 (the actor was
+    # restored from an older checkpoint): the second group, given the slots, must not start
+    # until the restored actor reaches version 5 again.
+    async def scenario() -> tuple[list[tuple[list[int], int]], list[tuple[list[int], int]]]:
+        gate = StalenessGate(1, trainer_version=5)
+        calls = Calls(seconds={0: 0.05, 1: 0.05})
+        first_started, first_ended = asyncio.Event(), asyncio.Event()
+
+        async def episodes(
+            step: int, indices: list[int], attempt: int
+        ) -> AsyncGenerator[list[tuple[int, EpisodeSummary]]]:
+            first_started.set()
+            async for ended in calls(step, indices, attempt):
+                yield ended
+            first_ended.set()
+
+        rollout = _rollout(episodes, episodes=4, group=2, concurrency=2)  # type: ignore[arg-type]
+        generating = asyncio.ensure_future(rollout.generate(6, lambda: gate.wait(6)))
+        await first_started.wait()
+        gate.rewind(4)
+        await first_ended.wait()
+        await asyncio.sleep(0.1)  # the second group has its slots by now
+        before = list(calls.calls)
+        gate.advance(5)
+        await generating
+        return before, calls.calls
+
+    before, after = asyncio.run(scenario())
+    assert before == [([0, 1], 0)]
+    assert after == [([0, 1], 0), ([2, 3], 0)]

@@ -1,4 +1,5 @@
-"""`train_loop`'s production window, on fake roles: how many steps it has under way at once."""
+"""`train_loop` on fake roles: how many steps it has under way at once, and what it produces
+again after the actor was restored."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 import pytest
 
 from omniloop.platform.control.controller import (
+    ActorLost,
+    Released,
     Roles,
     RolloutReport,
     TrainReport,
@@ -54,7 +57,9 @@ class _Rollout:
         self.most_under_way = 0
         self.steps: list[int] = []
 
-    async def generate(self, step: int) -> RolloutReport:
+    async def generate(self, step: int, released: Released | None = None) -> RolloutReport:
+        if released is not None:
+            await released()
         self.under_way += 1
         self.most_under_way = max(self.most_under_way, self.under_way)
         self.steps.append(step)
@@ -107,3 +112,60 @@ async def test_a_long_run_has_at_most_the_window_under_way(
     assert actor.trained == list(range(60))
     assert sorted(rollout.steps) == list(range(60))
     assert rollout.most_under_way == production_window(config)
+
+
+class _LosingActor(_Actor):
+    """Lost once, training step `lost_at`."""
+
+    def __init__(self, lost_at: int) -> None:
+        super().__init__()
+        self.lost_at: int | None = lost_at
+
+    async def train(self, step: int) -> TrainReport:
+        if step == self.lost_at:
+            self.lost_at = None
+            raise ActorLost(f"lost training step {step}")
+        return await super().train(step)
+
+
+class _Restoring(_Record):
+    """Restores the actor from its checkpoint of step `checkpoint`."""
+
+    def __init__(self, checkpoint: int) -> None:
+        self.checkpoint_step = checkpoint
+
+    def restore_point(self) -> int:
+        return self.checkpoint_step
+
+    async def restore_actor(self, actor: _Actor, step: int, lost: Exception) -> int:
+        actor.version = self.checkpoint_step
+        return self.checkpoint_step
+
+
+class _VersionedRollout(_Rollout):
+    """Records the actor's version as each step's production starts."""
+
+    def __init__(self, actor: _Actor) -> None:
+        super().__init__()
+        self.actor = actor
+        self.started: list[tuple[int, int]] = []
+
+    async def generate(self, step: int, released: Released | None = None) -> RolloutReport:
+        self.started.append((step, self.actor.version))
+        return await super().generate(step, released)
+
+
+async def test_the_steps_trained_again_after_a_restore_keep_the_staleness_bound(
+    tmp_path: Path,
+) -> None:
+    # Lost training step 9, restored from the checkpoint of step 6: steps 6 to 9 are produced
+    # and trained again, and step 8 may start only once step 6 is (bound 1), or it would sample
+    # version 6 and reach a trainer at version 8.
+    config = _config(tmp_path, 1, concurrency=8, steps=12)
+    actor = _LosingActor(lost_at=9)
+    rollout = _VersionedRollout(actor)
+    roles = Roles(rollout=rollout, advantage=_Advantage(), actor=actor, sync=_Sync())  # type: ignore[arg-type]
+    await train_loop(roles, _Restoring(checkpoint=6), config, start=0)  # type: ignore[arg-type]
+    assert actor.trained == [*range(9), *range(6, 12)]
+    assert [s for s, _ in rollout.started if s in (6, 7, 8)] == [6, 7, 8, 6, 7, 8]
+    assert all(step - version <= 1 for step, version in rollout.started), rollout.started
