@@ -1,11 +1,13 @@
 """Recovery per role, and the effective training time ratio under random SIGKILLs.
 
-The toy tool task (tiny model warm-started on the call format) is trained twice in this
-invocation, with the roles as Ray Serve deployments: once undisturbed (the baseline), once
-while a watcher SIGKILLs the process of one replica of a role (`rollout`, `sandbox`, `reward`,
-`advantage`, `engine`, `actor`, `api`) every `--kill-every` seconds. The roles are drawn in a
-random order, each once before any a second time (`kill_order`), so a disturbed run that lasts
-seven kills measures every role's recovery. Both runs train the same steps.
+The toy tool task (tiny model warm-started on the call format) is trained three times in this
+invocation, with the roles as Ray Serve deployments: undisturbed (the baseline), then while a
+watcher SIGKILLs the process of one replica of a role (`rollout`, `sandbox`, `reward`,
+`advantage`, `engine`, `actor`, `api`) every `--kill-every` seconds, then undisturbed again.
+The roles are drawn in a random order, each once before any a second time (`kill_order`), so a
+disturbed run that lasts seven kills measures every role's recovery. All runs train the same
+steps; the baselines on either side of the disturbed run cancel a machine whose speed drifts
+steadily over the invocation, which two runs one after the other cannot tell from the kills.
 
 Prints ONE JSON line:
 - `recovery_s`: role -> seconds from the failure being detected to the role being back at full
@@ -13,11 +15,16 @@ Prints ONE JSON line:
   more than once);
 - `lost`: trajectory ids of the run's steps that were never trained; `trained_twice`: ids
   trained more than once (from `trained.jsonl`);
-- `ettr`: the effective training time ratio, the undisturbed run's wall time of its training
-  loop divided by the disturbed run's: the share of the disturbed run's time that was as
-  productive as an undisturbed run (1.0: failures cost nothing);
+- `ettr`: the effective training time ratio, the undisturbed runs' mean wall time of their
+  training loop divided by the disturbed run's: the share of the disturbed run's time that was
+  as productive as an undisturbed run (1.0: failures cost nothing);
+- `kill_cost_s`: per kill, in order, the seconds the disturbed run's steps recorded in the
+  `COST_WINDOW_S` after it took beyond the mean of the steps recorded outside every kill's
+  window (what each kill cost, read from the disturbed run alone; the machine's drift between
+  runs does not enter it), and `kill_cost_share`, their sum over the disturbed loop's seconds;
 - `roles_not_killed`: the roles the run ended before killing;
-- the kills (time, role), both wall times, steps, and the load average.
+- the kills (time, role), the wall times (`baseline_loop_s`: before and after), steps, and
+  the load average.
 
     .venv/bin/python bench/chaos.py [--steps 30] [--kill-every 60] [--seed 0]
 """
@@ -42,6 +49,8 @@ from toy_run import TOY, read_jsonl, toy_config
 from toy_run import train as train_toy
 
 ROLES = ("rollout", "sandbox", "reward", "advantage", "engine", "actor", "api")
+COST_WINDOW_S = 30.0
+"""How long after a kill the steps recorded count towards its cost (`kill_costs`)."""
 
 
 def train(model: Path, run_dir: Path, steps: int, killer: Killer | None) -> float:
@@ -105,6 +114,29 @@ class Killer:
             self.kills.append({"t": round(time.time(), 1), "role": role, "pid": pid})
 
 
+def kill_costs(
+    metrics: list[dict[str, Any]], kills: list[dict[str, Any]], window: float = COST_WINDOW_S
+) -> list[float]:
+    """Per kill, the seconds that the steps recorded (`time`) within `window` after it took
+    beyond as many steps at the mean of those recorded outside every kill's window. A step in
+    two kills' windows counts towards the earlier kill only."""
+
+    def kill_of(step: dict[str, Any]) -> int | None:
+        return next(
+            (i for i, k in enumerate(kills) if k["t"] <= step["time"] < k["t"] + window), None
+        )
+
+    by_kill: list[list[float]] = [[] for _ in kills]
+    clean: list[float] = []
+    for step in metrics:
+        i = kill_of(step)
+        (clean if i is None else by_kill[i]).append(step["perf/step_seconds"])
+    if not clean:
+        raise ValueError(f"every step is within {window} s of a kill: kill less often")
+    mean = statistics.mean(clean)
+    return [sum(steps) - len(steps) * mean for steps in by_kill]
+
+
 def _expected_ids(run_dir: Path, steps: int, tasks_per_step: int, samples: int) -> set[str]:
     from omniloop.platform.control.components import load_tasks
     from omniloop.platform.control.local import step_tasks
@@ -137,10 +169,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="omniloop-bench-") as scratch:
         root = Path(scratch)
         model = warm_start(root / "model")
-        baseline_s = train(model, root / "baseline", args.steps, None)
+        before_s = train(model, root / "before", args.steps, None)
         killer = Killer(root / "chaos", args.kill_every, args.seed)
         chaos_s = train(model, root / "chaos", args.steps, killer)
+        after_s = train(model, root / "after", args.steps, None)
         trained = read_jsonl(root / "chaos" / "trained.jsonl")
+        costs = kill_costs(read_jsonl(root / "chaos" / "metrics.jsonl"), killer.kills)
         faults = read_jsonl(root / "chaos" / "faults.jsonl")
         expected = _expected_ids(root / "chaos", args.steps, tasks_per_step, samples)
     ids = [i for step in trained for i, _ in step["samples"]]
@@ -155,12 +189,17 @@ def main() -> None:
                 "recovery_s": {r: round(statistics.median(v), 1) for r, v in by_role.items()},
                 "lost": len(expected - set(ids)),
                 "trained_twice": len(ids) - len(set(ids)),
-                "ettr": round(baseline_s / chaos_s, 3),
+                "ettr": round((before_s + after_s) / 2 / chaos_s, 3),
+                "kill_cost_s": [
+                    {"role": k["role"], "s": round(c, 1)}
+                    for k, c in zip(killer.kills, costs, strict=True)
+                ],
+                "kill_cost_share": round(sum(costs) / chaos_s, 3),
                 "roles_not_killed": sorted(set(ROLES) - {k["role"] for k in killer.kills}),
                 "kills": killer.kills,
                 "faults": len(faults),
                 "unrecovered_faults": sum(f.get("recovery_seconds") is None for f in faults),
-                "baseline_loop_s": round(baseline_s, 1),
+                "baseline_loop_s": [round(before_s, 1), round(after_s, 1)],
                 "chaos_loop_s": round(chaos_s, 1),
                 "steps": args.steps,
                 "kill_every_s": args.kill_every,
