@@ -91,5 +91,8 @@ def test_the_critic_runs_packed_as_it_runs_padded() -> None:
     (packed_old, packed_after, packed_tokens), (old, after, tokens) = results[True], results[False]
     assert packed_tokens < tokens == 3 * 6  # 10 distinct tokens in packed rows, padding included
     torch.testing.assert_close(packed_old, old, atol=1e-5, rtol=0)
-    torch.testing.assert_close(packed_after, after, atol=1e-5, rtol=0)
+    # After the step the values are near 50, where float32's spacing is 4e-6: the packed and
+    # padded sums, added in another order, differ by a few such steps (CPU-dependent), so the
+    # tolerance is float32's relative default there.
+    torch.testing.assert_close(packed_after, after)
     assert (packed_after - packed_old).abs().max() > 1e-3, "the step moved the values"
